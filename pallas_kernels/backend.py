@@ -3,10 +3,10 @@
 A kernel entry point takes `backend: str | None` and calls `resolve_backend(backend, "<kernel>")` once,
 outside any traced code, to get one of:
 
-  "mosaic_gpu"  a Hopper-class kernel written against jax.experimental.pallas.mosaic_gpu (wgmma, TMA)
-  "triton"      the Triton-lowered `pl.pallas_call`, any recent NVIDIA GPU
-  "interpret"   the same `pl.pallas_call` run through the Pallas interpreter (CPU tests)
-  "xla"         the module's plain-jnp `reference()`
+    "mosaic_gpu"  a Hopper-class kernel written against jax.experimental.pallas.mosaic_gpu (wgmma, TMA)
+    "triton"      the Triton-lowered `pl.pallas_call`, any recent NVIDIA GPU
+    "interpret"   the same `pl.pallas_call` run through the Pallas interpreter (CPU tests)
+    "xla"         the module's plain-jnp `reference()`
 
 `None` means "fastest available here": on Hopper the measured winner for that kernel (`HOPPER_CHOICE`),
 on other NVIDIA GPUs "triton", and on CPU (or any other platform) "xla", because the interpreter is a
@@ -28,64 +28,64 @@ HOPPER_CHOICE: dict[str, str] = {}
 
 @functools.lru_cache(maxsize=None)
 def _device_info() -> tuple[str, tuple[int, int] | None]:
-  """Returns (platform, (major, minor) CUDA compute capability or None) of the default device."""
-  device = jax.devices()[0]
-  platform = device.platform
-  if platform != "gpu":
-    return platform, None
-  capability = getattr(device, "compute_capability", None)
-  if capability is None:  # ROCm devices have no compute capability; treat as non-NVIDIA.
-    return "rocm", None
-  major, minor = (int(x) for x in str(capability).split(".")[:2])
-  return "gpu", (major, minor)
+    """Returns (platform, (major, minor) CUDA compute capability or None) of the default device."""
+    device = jax.devices()[0]
+    platform = device.platform
+    if platform != "gpu":
+        return platform, None
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:  # ROCm devices have no compute capability; treat as non-NVIDIA.
+        return "rocm", None
+    major, minor = (int(x) for x in str(capability).split(".")[:2])
+    return "gpu", (major, minor)
 
 
 def device_supports(backend: str) -> bool:
-  """Whether the default device can run `backend` at all (not whether it is fast)."""
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS} or None")
-  platform, capability = _device_info()
-  if backend in ("interpret", "xla"):
-    return True
-  if platform != "gpu" or capability is None:
-    return False
-  if backend == "triton":
-    return capability >= (8, 0)  # Triton Pallas relies on Ampere-era tensor-core ops.
-  return capability >= (9, 0)  # Mosaic GPU emits wgmma/TMA: Hopper (sm_90a) and newer.
+    """Whether the default device can run `backend` at all (not whether it is fast)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS} or None")
+    platform, capability = _device_info()
+    if backend in ("interpret", "xla"):
+        return True
+    if platform != "gpu" or capability is None:
+        return False
+    if backend == "triton":
+        return capability >= (8, 0)  # Triton Pallas relies on Ampere-era tensor-core ops.
+    return capability >= (9, 0)  # Mosaic GPU emits wgmma/TMA: Hopper (sm_90a) and newer.
 
 
 def default_backend(kernel_name: str) -> str:
-  """The fastest backend for `kernel_name` on the default device."""
-  platform, capability = _device_info()
-  if platform != "gpu" or capability is None:
+    """The fastest backend for `kernel_name` on the default device."""
+    platform, capability = _device_info()
+    if platform != "gpu" or capability is None:
+        return "xla"
+    if capability >= (9, 0):
+        return HOPPER_CHOICE.get(kernel_name, "triton")
+    if capability >= (8, 0):
+        return "triton"
     return "xla"
-  if capability >= (9, 0):
-    return HOPPER_CHOICE.get(kernel_name, "triton")
-  if capability >= (8, 0):
-    return "triton"
-  return "xla"
 
 
 def resolve_backend(backend: str | None, kernel_name: str) -> str:
-  """Turns a user's backend request into a concrete backend name.
+    """Turns a user's backend request into a concrete backend name.
 
-  Args:
-    backend: None (fastest available on the default device) or one of `BACKENDS`.
-    kernel_name: module-level kernel name, e.g. "flash_attention" or "paged_attention"; used to look up
-      the measured Hopper choice and to make error messages specific.
+    Args:
+        backend: None (fastest available on the default device) or one of `BACKENDS`.
+        kernel_name: module-level kernel name, e.g. "flash_attention" or "paged_attention"; used to look up
+            the measured Hopper choice and to make error messages specific.
 
-  Returns:
-    One of "mosaic_gpu", "triton", "interpret", "xla".
+    Returns:
+        One of "mosaic_gpu", "triton", "interpret", "xla".
 
-  Raises:
-    ValueError: `backend` is not a known name, or the default device cannot run it.
-  """
-  if backend is None:
-    return default_backend(kernel_name)
-  if not isinstance(backend, str) or backend not in BACKENDS:
-    raise ValueError(f"{kernel_name}: unknown backend {backend!r}; expected one of {BACKENDS} or None")
-  if not device_supports(backend):
-    platform, capability = _device_info()
-    where = platform if capability is None else f"{platform} sm_{capability[0]}{capability[1]}"
-    raise ValueError(f"{kernel_name}: backend {backend!r} cannot run on the default device ({where})")
-  return backend
+    Raises:
+        ValueError: `backend` is not a known name, or the default device cannot run it.
+    """
+    if backend is None:
+        return default_backend(kernel_name)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{kernel_name}: unknown backend {backend!r}; expected one of {BACKENDS} or None")
+    if not device_supports(backend):
+        platform, capability = _device_info()
+        where = platform if capability is None else f"{platform} sm_{capability[0]}{capability[1]}"
+        raise ValueError(f"{kernel_name}: backend {backend!r} cannot run on the default device ({where})")
+    return backend
