@@ -1,0 +1,265 @@
+"""Hugging Face safetensors checkpoints (Llama / Mistral / Qwen2) -> canonical params.
+
+Data flow: config.json -> `config_from_hf` -> ModelConfig; then every tensor named in
+model.safetensors.index.json (or found in the *.safetensors files when there is no index) is read one at a time
+with safetensors' numpy API, renamed to its canonical name (docs/ARCHITECTURE.md) and, for linear layers,
+transposed from HF's `[out, in]` to our `[in, out]`. bfloat16 tensors come back as `ml_dtypes.bfloat16` numpy
+arrays (safetensors' numpy reader maps BF16 through ml_dtypes), so no torch is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+
+from model.config import ModelConfig, RopeScaling
+
+_log = logging.getLogger(__name__)
+
+# Architecture -> whether q/k/v projections always carry a bias. Llama and Mistral read `attention_bias` from
+# config.json instead (default False).
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
+
+_INDEX_FILE = "model.safetensors.index.json"
+
+# HF per-layer suffix -> (canonical suffix, transpose [out, in] -> [in, out]).
+_LAYER_TENSORS = {
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+}
+_GLOBAL_TENSORS = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Buffers some exporters write that carry no weights (RoPE frequencies are recomputed from the config).
+_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def canonical_name(hf_name: str) -> tuple[str, bool] | None:
+    """Maps an HF tensor name to (canonical name, transpose?), or None when the name is not a known weight."""
+    if hf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[hf_name]
+    match = _LAYER_RE.fullmatch(hf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        suffix, transpose = _LAYER_TENSORS[match.group(2)]
+        return f"layers.{match.group(1)}.{suffix}", transpose
+    return None
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter name -> shape for `config` (the table in docs/ARCHITECTURE.md)."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    shapes: dict[str, tuple[int, ...]] = {"embed": (v, d), "final_norm": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (d, v)
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attn_norm": (d,), p + "wq": (d, q), p + "wk": (d, kv), p + "wv": (d, kv),
+                       p + "wo": (q, d), p + "mlp_norm": (d,), p + "w_gate": (d, f), p + "w_up": (d, f),
+                       p + "w_down": (f, d)})
+        if config.attention_bias:
+            shapes.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
+    return shapes
+
+
+# Config ------------------------------------------------------------------------------------------------------------
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Reads rope_theta and Llama-3 scaling from either transformers-4 or transformers-5 config layouts.
+
+    transformers 5 moves both into `rope_parameters`; transformers 4 keeps `rope_theta` top-level and scaling in
+    `rope_scaling` (with the type under `rope_type`, or `type` in older files).
+    """
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; only 'llama3' and 'default' are supported")
+    defaults = RopeScaling()
+    scaling = RopeScaling(
+        factor=float(params.get("factor", defaults.factor)),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings",
+                                                        defaults.original_max_position_embeddings)))
+    return theta, scaling
+
+
+def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
+    """Builds a ModelConfig from a parsed HF config.json.
+
+    Args:
+        hf: the parsed config.json.
+        name: ModelConfig.name, for messages.
+
+    Returns:
+        The model configuration.
+
+    Raises:
+        ValueError: unsupported architecture, activation or RoPE scaling, or missing required fields.
+    """
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {act!r}; only silu-gated MLPs are supported")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks required field(s) {missing}")
+    if hf.get("sliding_window") and hf.get("use_sliding_window", arch == "MistralForCausalLM"):
+        # Full causal attention equals sliding-window attention for contexts up to the window, which is where
+        # these models are normally served; we do not window longer contexts.
+        _log.warning("config.json sets sliding_window=%s; it is ignored (attention is full causal)",
+                     hf["sliding_window"])
+    theta, scaling = _rope(hf)
+    heads = int(hf["num_attention_heads"])
+    eos = hf.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    bos = hf.get("bos_token_id")
+    return ModelConfig(
+        name=name,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=SUPPORTED_ARCHITECTURES[arch] or bool(hf.get("attention_bias", False)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+    )
+
+
+# Tensors -----------------------------------------------------------------------------------------------------------
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file path, from the index when there is one, else from every file."""
+    index_path = os.path.join(path, _INDEX_FILE)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        absent = sorted({fn for fn in weight_map.values() if not os.path.exists(os.path.join(path, fn))})
+        if absent:
+            raise ValueError(f"{index_path} names missing file(s): {absent}")
+        return {name: os.path.join(path, fn) for name, fn in weight_map.items()}
+    files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    names: dict[str, str] = {}
+    for fn in files:
+        with safe_open(os.path.join(path, fn), framework="numpy") as f:
+            names.update((k, os.path.join(path, fn)) for k in f.keys())
+    return names
+
+
+def _read_tensors(files: dict[str, str]) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (HF name, array) opening each file once, in the order of the index."""
+    by_file: dict[str, list[str]] = {}
+    for name, fn in files.items():
+        by_file.setdefault(fn, []).append(name)
+    for fn, names in by_file.items():
+        with safe_open(fn, framework="numpy") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
+def load_hf(path: str, *, dtype: Any = None,
+            progress: Callable[[int, int, str], None] | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Loads an HF safetensors checkpoint directory into canonical numpy params.
+
+    Args:
+        path: directory holding config.json and model.safetensors (or shards + model.safetensors.index.json).
+        dtype: cast every tensor to this numpy dtype as it is read (None keeps the stored dtype).
+        progress: called as progress(done, total, canonical_name) after each tensor, e.g. for a progress line.
+
+    Returns:
+        (config, params) with params in canonical names and `[in, out]` layout.
+
+    Raises:
+        ValueError: missing directory or files, unsupported architecture, unknown, missing or misshapen tensors.
+    """
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{path} is not an HF checkpoint directory (no config.json)")
+    with open(config_path) as f:
+        config = config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    files = _weight_files(path)
+    unknown = sorted(n for n in files if canonical_name(n) is None and not _IGNORED_RE.fullmatch(n))
+    if unknown:
+        raise ValueError(f"unexpected tensor(s) for {config.name} (unsupported variant?): {unknown[:8]}"
+                         + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+    shapes = expected_shapes(config)
+    # A tied model may still store lm_head.weight; names outside `shapes` are skipped, not read.
+    wanted: dict[str, tuple[str, bool]] = {}
+    for hf_name in files:
+        mapped = canonical_name(hf_name)
+        if mapped is not None and mapped[0] in shapes:
+            wanted[hf_name] = mapped
+    missing = sorted(set(shapes) - {c for c, _ in wanted.values()})
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensor(s) {missing[:8]}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    params: dict[str, np.ndarray] = {}
+    for hf_name, array in _read_tensors({n: files[n] for n in wanted}):
+        name, transpose = wanted[hf_name]
+        if transpose:
+            array = np.ascontiguousarray(array.T)
+        if array.shape != shapes[name]:
+            raise ValueError(f"tensor {hf_name} has shape {array.shape} after layout change; "
+                             f"expected {shapes[name]} for {name}")
+        params[name] = array if dtype is None else array.astype(dtype, copy=False)
+        if progress is not None:
+            progress(len(params), len(wanted), name)
+    return config, params
+
+
+def load_hf_tokenizer(path: str):
+    """Returns the checkpoint's Tokenizer (checkpoints/tokenizer.py) when tokenizer.json exists, else None."""
+    tokenizer_json = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tokenizer_json):
+        return None
+    from checkpoints.tokenizer import Tokenizer  # Lazy: tokenizers is only needed when there is one.
+
+    tokenizer_config = os.path.join(path, "tokenizer_config.json")
+    return Tokenizer.from_hf_files(tokenizer_json,
+                                   tokenizer_config if os.path.isfile(tokenizer_config) else None)
+
+
+def is_hf_dir(path: str) -> bool:
+    """True when `path` looks like an HF checkpoint directory (config.json plus safetensors)."""
+    return (os.path.isfile(os.path.join(path, "config.json"))
+            and any(fn.endswith(".safetensors") for fn in os.listdir(path)))
