@@ -1,0 +1,209 @@
+"""Tokenizer: byte-level BPE through HF `tokenizers`, chat templates through jinja2, streaming detokenisation.
+
+Built either from GGUF metadata (vocabulary, merges, token types, pre-tokenizer name) or from HF files
+(tokenizer.json + tokenizer_config.json). `save()` writes the HF files, so an Orbax checkpoint carries its
+tokenizer without the GGUF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+_CONTROL = 3  # llama.cpp token type for control (special) tokens.
+_USER_DEFINED = 4
+
+# GGUF `tokenizer.ggml.pre` names whose pre-tokenisation splits every digit on its own (SmolLM2, StarCoder).
+_INDIVIDUAL_DIGITS = ("smollm", "starcoder", "refact")
+
+
+@dataclasses.dataclass
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template.
+
+    Attributes:
+      hf: the underlying `tokenizers.Tokenizer`.
+      bos_token_id: beginning-of-sequence id or None.
+      eos_token_ids: ids that end generation.
+      add_bos: prepend BOS when encoding a prompt (SmolLM2: no).
+      chat_template: jinja2 source of the chat template, or None.
+    """
+
+    hf: HFTokenizer
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    add_bos: bool = False
+    chat_template: str | None = None
+
+    # Construction ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta, eos_token_ids: Sequence[int]) -> "Tokenizer":
+        """Rebuilds a GGUF `gpt2`-model (byte-level BPE) tokenizer with its special tokens."""
+        if meta.tokenizer_model != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {meta.tokenizer_model!r} (only byte-level BPE 'gpt2')")
+        vocab = {tok: i for i, tok in enumerate(meta.tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta.merges]
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if meta.pre_tokenizer in _INDIVIDUAL_DIGITS:
+            hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            hf.pre_tokenizer = byte_level
+        hf.decoder = decoders.ByteLevel()
+        types = meta.token_types or [1] * len(meta.tokens)
+        special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(meta.tokens, types)
+                   if ty in (_CONTROL, _USER_DEFINED)]
+        hf.add_special_tokens(special)
+        bos = None if meta.bos_token_id is None else int(meta.bos_token_id)
+        return cls(hf=hf, bos_token_id=bos, eos_token_ids=tuple(eos_token_ids), add_bos=meta.add_bos_token,
+                   chat_template=meta.chat_template)
+
+    @classmethod
+    def from_hf_files(cls, tokenizer_json_path: str, tokenizer_config_json_path: str | None = None) -> "Tokenizer":
+        """Loads tokenizer.json (and, if given, tokenizer_config.json for template, BOS/EOS and add_bos)."""
+        if not os.path.isfile(tokenizer_json_path):
+            raise FileNotFoundError(f"tokenizer file not found: {tokenizer_json_path}")
+        hf = HFTokenizer.from_file(tokenizer_json_path)
+        cfg: dict[str, Any] = {}
+        if tokenizer_config_json_path and os.path.isfile(tokenizer_config_json_path):
+            with open(tokenizer_config_json_path) as f:
+                cfg = json.load(f)
+
+        def token_id(value) -> int | None:
+            if isinstance(value, dict):
+                value = value.get("content")
+            return None if value is None else hf.token_to_id(value)
+
+        eos = cfg.get("eos_token_ids")
+        if eos is None:
+            eos_one = token_id(cfg.get("eos_token"))
+            eos = [] if eos_one is None else [eos_one]
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # HF allows named templates; take the default one.
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        return cls(hf=hf, bos_token_id=token_id(cfg.get("bos_token")), eos_token_ids=tuple(eos),
+                   add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template)
+
+    @classmethod
+    def load(cls, directory: str) -> "Tokenizer":
+        return cls.from_hf_files(os.path.join(directory, "tokenizer.json"),
+                                 os.path.join(directory, "tokenizer_config.json"))
+
+    def save(self, directory: str) -> None:
+        """Writes tokenizer.json and tokenizer_config.json (HF-compatible) into `directory`."""
+        os.makedirs(directory, exist_ok=True)
+        self.hf.save(os.path.join(directory, "tokenizer.json"))
+        cfg = {
+            "bos_token": None if self.bos_token_id is None else self.hf.id_to_token(self.bos_token_id),
+            "eos_token": self.hf.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None,
+            "eos_token_ids": list(self.eos_token_ids),
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+
+    # Encoding ----------------------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special-token strings in the text map to their ids."""
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    # Chat --------------------------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Renders messages with the model's template (as HF does: sandboxed jinja2, trim/lstrip blocks)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+        return _compile_template(self.chat_template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_str(self.bos_token_id),
+            eos_token=self._token_str(self.eos_token_ids[0] if self.eos_token_ids else None))
+
+    def _token_str(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
+
+    def detokenizer(self) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self)
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    if source not in _TEMPLATES:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    Byte-level BPE can split one UTF-8 character across tokens, so decoding each token alone gives broken
+    characters. We keep two offsets into the ids (vLLM's scheme):
+
+        ids:  [ ... prefix_offset ... read_offset ... len(ids) ]
+                    '-- context --'   '-- unread --'
+
+    and emit `decode(ids[prefix:]) - decode(ids[prefix:read])` only once it no longer ends in U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0
+        self._read = 0
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Appends ids; returns the newly completed text (possibly empty)."""
+        self.ids.extend(int(i) for i in new_ids)
+        prefix_text = self._tok.decode(self.ids[self._prefix:self._read], self._skip)
+        full_text = self._tok.decode(self.ids[self._prefix:], self._skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emits whatever is left (a final incomplete character becomes U+FFFD)."""
+        full = self._tok.decode(self.ids, self._skip)
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += delta
+        self._prefix = self._read = len(self.ids)
+        return delta

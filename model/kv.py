@@ -1,0 +1,83 @@
+"""KV-cache layouts and the attention metadata that tells a layer how to write and read them.
+
+The transformer is written once; what changes between scoring a sequence, the contiguous reference generation
+path and the paged engine is only how each layer stores the new K/V and which keys a query may see. Each of
+those is a small pytree dataclass with one method,
+
+    attend(q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], positions [B,T], cache) -> (out [B,T,Hq,hd], cache)
+
+so the metadata travels through `jax.jit` as an ordinary argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def masked_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array,
+                     sm_scale: float | None = None) -> jax.Array:
+    """Plain GQA attention with an explicit boolean mask (True = may attend); float32 softmax.
+
+    Rows whose mask is all False return zeros.
+    """
+    b, t, hq, hd = q_bthd.shape
+    hkv = k_bshd.shape[2]
+    scale = hd ** -0.5 if sm_scale is None else sm_scale
+    q = q_bthd.reshape(b, t, hkv, hq // hkv, hd)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd.astype(q.dtype), preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    s = jnp.where(mask_bts[:, None, None], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask_bts[:, None, None], jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v_bshd.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(b, t, hq, hd).astype(q_bthd.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NoCache:
+    """Causal self-attention over the input alone (scoring / teacher forcing). `valid_len` [B] masks padding."""
+
+    valid_len: jax.Array  # [B]
+
+    def attend(self, q, k, v, positions, cache: Any):
+        t = q.shape[1]
+        idx = jnp.arange(t)
+        mask = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] < self.valid_len[:, None, None])
+        return masked_attention(q, k, v, mask), cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ContiguousMeta:
+    """Contiguous per-layer cache (k, v) each [B, S_max, Hkv, hd].
+
+    The T new tokens of row b are written at positions[b, 0] .. positions[b, 0] + T - 1; a query at position p
+    sees keys 0..p. Right-padded prompts are fine: padding writes junk past a row's length, and that junk is
+    overwritten by the row's real decode tokens before any query can see it.
+    """
+
+    def attend(self, q, k, v, positions, cache):
+        k_cache, v_cache = cache
+        start = positions[:, 0]
+        write = jax.vmap(lambda c, new, s: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), s, axis=0))
+        k_cache = write(k_cache, k, start)
+        v_cache = write(v_cache, v, start)
+        keys = jnp.arange(k_cache.shape[1])
+        mask = keys[None, None, :] <= positions[:, :, None]
+        return masked_attention(q, k_cache, v_cache, mask), (k_cache, v_cache)
+
+
+def init_contiguous_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                          dtype) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed contiguous caches, one (k, v) pair per layer, each [B, S_max, Hkv, hd]."""
+    shape = (batch, max_len, num_kv_heads, head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]

@@ -1,0 +1,95 @@
+"""Building blocks of a Llama-family decoder (Flax NNX): RMSNorm, RoPE, gated MLP, embeddings, projections.
+
+Weights are stored [in, out] (docs/ARCHITECTURE.md) and every projection goes through `dense()`, the one place
+where quantised weights will plug in. Compute dtype is the activations' dtype; norms and softmax run in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import ModelConfig, RopeScaling
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] in x's dtype with float32 accumulation."""
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs | None, scale: float | None) -> nnx.Param:
+    if rngs is None or scale is None:
+        return nnx.Param(jnp.ones(shape, dtype) if scale is None else jnp.zeros(shape, dtype))
+    return nnx.Param(scale * jax.random.normal(rngs.params(), shape, dtype))
+
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * weight, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+    """Inverse frequencies [head_dim // 2], with Llama-3 long-context scaling when configured."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv
+    # Llama 3.1: wavelengths longer than old_len / low_freq_factor are divided by `factor`, shorter than
+    # old_len / high_freq_factor are kept, and the band between is interpolated smoothly.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * inv / scaling.factor + smooth * inv
+    return jnp.where(wavelen > low_wavelen, inv / scaling.factor,
+                     jnp.where(wavelen < high_wavelen, inv, interpolated))
+
+
+def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF / NeoX layout) on x [B, T, H, hd] at integer positions [B, T]."""
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x = x_bthd.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthd.dtype)
+
+
+class GatedMLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.w_gate = _param((d, f), dtype, rngs, d ** -0.5)
+        self.w_up = _param((d, f), dtype, rngs, d ** -0.5)
+        self.w_down = _param((f, d), dtype, rngs, f ** -0.5)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.silu(dense(x, self.w_gate[...])) * dense(x, self.w_up[...])
+        return dense(h, self.w_down[...])
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [V, D]; also the LM head when tied."""
+
+    def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs | None):
+        self.weight = _param((vocab, dim), dtype, rngs, 1.0)
+
+    def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0).astype(dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits x [..., D] @ weight.T -> [..., V] in float32."""
+        return jnp.einsum("...d,vd->...v", x, self.weight[...].astype(x.dtype), preferred_element_type=jnp.float32)
