@@ -1,0 +1,153 @@
+"""Logical axis names -> mesh axes: the one place sharding decisions live.
+
+Each canonical parameter (docs/ARCHITECTURE.md) and the paged KV cache name their dimensions with logical axes;
+LOGICAL_AXIS_RULES (after MaxText's `logical_axis_rules`) maps each logical axis to a mesh axis of
+sharding/mesh.py. Megatron-style tensor parallelism falls out of the table: wq/wk/wv/w_gate/w_up split their
+output columns (heads, MLP width), wo/w_down split their input rows, so each layer needs one all-reduce after
+attention and one after the MLP, which GSPMD inserts.
+
+Divisibility fallback: a dimension whose size is not a multiple of its mesh axis size (e.g. 3 KV heads with tp=2,
+or a vocabulary of 32001 with tp=8) is replicated instead of sharded; the rest of the array keeps its sharding.
+Head axes are counted in heads, not elements: pass `head_dim` so that `[D, Hkv*hd]` with Hkv=3, hd=64 on tp=2 is
+replicated rather than split mid-head (192 elements would divide evenly, 3 heads do not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.mesh import DATA, TENSOR
+
+LogicalAxes = tuple[str | None, ...]
+
+# Logical axis -> mesh axis (or None: replicated). The single rules table.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", DATA),
+    ("vocab", TENSOR),
+    ("embed", None),
+    ("q_heads", TENSOR),
+    ("kv_heads", TENSOR),
+    ("mlp", TENSOR),
+    # Canonical params are per layer; a stacked [L, ...] array keeps its layer axis whole on every device.
+    ("layers", None),
+)
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+# Canonical names outside the layers -> logical axes of their dimensions.
+GLOBAL_PARAM_AXES: dict[str, LogicalAxes] = {
+    "embed": ("vocab", "embed"),           # [V, D]
+    "final_norm": ("embed",),              # [D]
+    "lm_head": ("embed", "vocab"),         # [D, V]
+}
+# Per-layer canonical names ("layers.{i}.<key>") -> logical axes of their dimensions.
+LAYER_PARAM_AXES: dict[str, LogicalAxes] = {
+    "attn_norm": ("embed",),               # [D]
+    "mlp_norm": ("embed",),                # [D]
+    "wq": ("embed", "q_heads"),            # [D, Hq*hd]
+    "wk": ("embed", "kv_heads"),           # [D, Hkv*hd]
+    "wv": ("embed", "kv_heads"),           # [D, Hkv*hd]
+    "wo": ("q_heads", "embed"),            # [Hq*hd, D]
+    "w_gate": ("embed", "mlp"),            # [D, F]
+    "w_up": ("embed", "mlp"),              # [D, F]
+    "w_down": ("mlp", "embed"),            # [F, D]
+    "bq": ("q_heads",),                    # [Hq*hd]
+    "bk": ("kv_heads",),                   # [Hkv*hd]
+    "bv": ("kv_heads",),                   # [Hkv*hd]
+}
+
+KV_PAGES_AXES: LogicalAxes = ("kv_heads", None, None, None)   # k/v pages [Hkv, num_pages, page_size, hd]
+KV_SCALES_AXES: LogicalAxes = ("kv_heads", None, None)        # k/v scales [Hkv, num_pages, page_size]
+
+
+def param_logical_axes(name: str, ndim: int | None = None) -> LogicalAxes:
+    """Logical axes of canonical parameter `name`; a leading "layers" axis is added when ndim says it is stacked.
+
+    Raises:
+        ValueError: `name` is not a canonical parameter, or ndim fits neither the per-layer nor stacked form.
+    """
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+        axes = LAYER_PARAM_AXES.get(parts[2])
+    else:
+        axes = GLOBAL_PARAM_AXES.get(name)
+    if axes is None:
+        raise ValueError(f"{name!r} is not a canonical parameter name (see docs/ARCHITECTURE.md)")
+    if ndim is None or ndim == len(axes):
+        return axes
+    if ndim == len(axes) + 1:
+        return ("layers",) + axes
+    raise ValueError(f"parameter {name!r} has {ndim} dims; expected {len(axes)} (or {len(axes) + 1} stacked)")
+
+
+def logical_partition_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                           units: Mapping[str, int] | None = None) -> PartitionSpec:
+    """Maps logical axes to a PartitionSpec on `mesh` through LOGICAL_AXIS_RULES, replicating what cannot split.
+
+    Args:
+        logical_axes: one logical name (or None) per dimension of `shape`.
+        shape: the array's shape.
+        mesh: the target mesh; rules naming an axis the mesh lacks count as replicated.
+        units: logical axis -> elements per indivisible unit (e.g. {"kv_heads": head_dim}); a dimension shards
+            only when its unit count is a multiple of the mesh axis size.
+
+    Returns:
+        The PartitionSpec, with None for every replicated dimension.
+    """
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"{len(logical_axes)} logical axes {tuple(logical_axes)} for shape {tuple(shape)}")
+    units = units or {}
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    used: set[str] = set()
+    spec: list[str | None] = []
+    for logical, size in zip(logical_axes, shape):
+        if logical is not None and logical not in _RULES:
+            raise ValueError(f"logical axis {logical!r} has no rule in LOGICAL_AXIS_RULES")
+        axis = _RULES.get(logical)
+        unit = units.get(logical, 1)
+        # Size-1 mesh axes shard nothing; leaving them out keeps specs equal across mesh shapes.
+        shardable = (axis in sizes and sizes[axis] > 1 and axis not in used and size % unit == 0
+                     and (size // unit) % sizes[axis] == 0)
+        spec.append(axis if shardable else None)
+        if shardable:
+            used.add(axis)
+    return PartitionSpec(*spec)
+
+
+def param_partition_spec(name: str, shape: Sequence[int], mesh: Mesh, *,
+                         head_dim: int | None = None) -> PartitionSpec:
+    """PartitionSpec of canonical parameter `name` with `shape` on `mesh`.
+
+    Args:
+        name: canonical name, e.g. "layers.3.wk".
+        shape: its shape (per layer, or stacked with a leading layer axis).
+        mesh: the target mesh.
+        head_dim: the model's head width, so head axes only split on head boundaries (recommended).
+    """
+    units = {"q_heads": head_dim, "kv_heads": head_dim} if head_dim else None
+    return logical_partition_spec(param_logical_axes(name, len(shape)), shape, mesh, units)
+
+
+def param_shardings(params_shapes: Mapping[str, Any], mesh: Mesh, *,
+                    head_dim: int | None = None) -> dict[str, NamedSharding]:
+    """NamedSharding for every parameter; values may be arrays, ShapeDtypeStructs or plain shape tuples."""
+    return {name: NamedSharding(mesh, param_partition_spec(name, getattr(x, "shape", x), mesh,
+                                                           head_dim=head_dim))
+            for name, x in params_shapes.items()}
+
+
+def shard_params(params: Mapping[str, Any], mesh: Mesh, *, head_dim: int | None = None) -> dict[str, jax.Array]:
+    """Places host arrays onto `mesh` with param_shardings (each host transfers only its own shards)."""
+    shardings = param_shardings(params, mesh, head_dim=head_dim)
+    return {name: jax.device_put(x, shardings[name]) for name, x in params.items()}
+
+
+def kv_cache_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    """Sharding of paged KV pages `[Hkv, num_pages, page_size, hd]` or scales `[Hkv, num_pages, page_size]`."""
+    axes = {4: KV_PAGES_AXES, 3: KV_SCALES_AXES}.get(len(shape))
+    if axes is None:
+        raise ValueError(f"KV pages are 4-D and scales 3-D; got shape {tuple(shape)}")
+    return NamedSharding(mesh, logical_partition_spec(axes, shape, mesh))

@@ -1,0 +1,140 @@
+"""Meshes and sharding rules on 8 forced CPU devices.
+
+XLA_FLAGS must be set before JAX creates its CPU backend; setting it at import (collection time) is early enough
+unless another module has already run a JAX computation during collection, which the fixture reports.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+
+from checkpoints.hf import expected_shapes  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from sharding import mesh as mesh_lib  # noqa: E402
+from sharding import rules  # noqa: E402
+from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eight_devices():
+    assert len(jax.devices("cpu")) >= 8, (
+        "JAX's CPU backend started before this module set XLA_FLAGS; run tests/test_sharding.py on its own")
+
+
+def cpu_mesh(**degrees) -> jax.sharding.Mesh:
+    parallel = ParallelConfig(**degrees)
+    return make_mesh(parallel, jax.devices("cpu")[:parallel.num_devices])
+
+
+@pytest.mark.parametrize("degrees", [{}, {"tp": 2}, {"dp": 2, "tp": 2}, {"tp": 8}, {"dp": 2, "tp": 4},
+                                     {"dp": 2, "pp": 2, "ep": 1, "tp": 2}])
+def test_make_mesh(degrees):
+    mesh = cpu_mesh(**degrees)
+    parallel = ParallelConfig(**degrees)
+    assert mesh.axis_names == mesh_lib.MESH_AXES
+    assert dict(mesh.shape) == {"data": parallel.dp, "pipeline": parallel.pp, "expert": parallel.ep,
+                                "tensor": parallel.tp}
+    assert mesh.devices.size == parallel.num_devices
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+
+
+def test_parallel_config_and_mesh_errors():
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        ParallelConfig(tp=0)
+    with pytest.raises(ValueError, match="needs 4 devices; 8 given"):
+        make_mesh(ParallelConfig(tp=4), jax.devices("cpu")[:8])
+    assert make_mesh(ParallelConfig(dp=2, tp=4)).devices.size == len(jax.devices())
+
+
+def test_initialize_distributed_single_process_is_noop():
+    assert mesh_lib.initialize_distributed() is False
+    assert mesh_lib.initialize_distributed(num_processes=1) is False
+
+
+def expected_spec(name: str, config: ModelConfig, tp: int) -> P:
+    """The spec the rules should give, written out by hand: Megatron column/row splits, heads counted whole."""
+    key = name.split(".")[-1]
+    splits = {"q": config.num_heads % tp == 0, "kv": config.num_kv_heads % tp == 0,
+              "mlp": config.intermediate_size % tp == 0, "vocab": config.vocab_size % tp == 0}
+    t = lambda ok: "tensor" if ok and tp > 1 else None  # noqa: E731
+    table = {"embed": P(t(splits["vocab"]), None), "lm_head": P(None, t(splits["vocab"])),
+             "final_norm": P(None), "attn_norm": P(None), "mlp_norm": P(None),
+             "wq": P(None, t(splits["q"])), "wk": P(None, t(splits["kv"])), "wv": P(None, t(splits["kv"])),
+             "wo": P(t(splits["q"]), None), "w_gate": P(None, t(splits["mlp"])), "w_up": P(None, t(splits["mlp"])),
+             "w_down": P(t(splits["mlp"]), None), "bq": P(t(splits["q"])), "bk": P(t(splits["kv"])),
+             "bv": P(t(splits["kv"]))}
+    return table[key]
+
+
+@pytest.mark.parametrize("config", [ModelConfig.tiny(attention_bias=True), ModelConfig.llama3_8b(),
+                                    ModelConfig.smollm2_135m()], ids=lambda c: c.name)
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_param_specs_every_canonical_param(config, tp):
+    mesh = cpu_mesh(tp=tp)
+    shapes = expected_shapes(config)
+    shardings = rules.param_shardings(shapes, mesh, head_dim=config.head_dim)
+    assert set(shardings) == set(shapes)
+    for name, shape in shapes.items():
+        assert shardings[name].spec == expected_spec(name, config, tp), (name, shape)
+        assert shardings[name].mesh == mesh
+        shardings[name].shard_shape(shape)  # Raises if a sharded dimension does not divide.
+
+
+def test_divisibility_fallback():
+    mesh = cpu_mesh(tp=2)
+    # SmolLM2: 3 KV heads of 64 -> 192 columns divide by 2 but the heads do not: replicate with head_dim.
+    assert rules.param_partition_spec("layers.0.wk", (576, 192), mesh, head_dim=64) == P(None, None)
+    assert rules.param_partition_spec("layers.0.wk", (576, 192), mesh) == P(None, "tensor")
+    assert rules.param_partition_spec("layers.0.wq", (576, 576), mesh, head_dim=64) == P(None, None)
+    # An odd vocabulary stays whole; the other dimension keeps its (replicated) spec.
+    mesh8 = cpu_mesh(tp=8)
+    assert rules.param_partition_spec("embed", (32001, 64), mesh8) == P(None, None)
+    assert rules.param_partition_spec("layers.0.w_down", (100, 64), mesh8) == P(None, None)
+    assert rules.param_partition_spec("layers.0.w_down", (96, 64), mesh8) == P("tensor", None)
+
+
+def test_stacked_params_and_name_errors():
+    mesh = cpu_mesh(tp=4)
+    assert rules.param_partition_spec("layers.0.wq", (2, 64, 64), mesh, head_dim=16) == P(None, None, "tensor")
+    for bad in ["wq", "layers.0.embed", "layers.x.wq", "layers.0.wq.bias", "lm_head.weight"]:
+        with pytest.raises(ValueError, match="not a canonical parameter"):
+            rules.param_logical_axes(bad)
+    with pytest.raises(ValueError, match="has 4 dims"):
+        rules.param_partition_spec("layers.0.wq", (1, 2, 64, 64), mesh)
+    with pytest.raises(ValueError, match="no rule"):
+        rules.logical_partition_spec(("heads",), (8,), mesh)
+
+
+def test_kv_cache_sharding():
+    mesh = cpu_mesh(dp=2, tp=4)
+    assert rules.kv_cache_sharding((8, 100, 16, 128), mesh).spec == P("tensor", None, None, None)
+    assert rules.kv_cache_sharding((8, 100, 16), mesh).spec == P("tensor", None, None)
+    assert rules.kv_cache_sharding((3, 100, 16, 64), mesh).spec == P(None, None, None, None)
+    with pytest.raises(ValueError, match="4-D"):
+        rules.kv_cache_sharding((8, 100), mesh)
+
+
+def test_sharded_mlp_matches_unsharded():
+    """Column-split w_gate/w_up and row-split w_down compute the same MLP as replicated weights."""
+    config = ModelConfig.tiny()
+    rng = np.random.default_rng(0)
+    params = {n: (0.1 * rng.standard_normal(s)).astype(np.float32) for n, s in expected_shapes(config).items()
+              if n.startswith("layers.0.w_")}
+    mesh = cpu_mesh(dp=2, tp=4)
+    sharded = rules.shard_params(params, mesh, head_dim=config.head_dim)
+    assert sharded["layers.0.w_up"].addressable_shards[0].data.shape == (64, 24)
+    assert sharded["layers.0.w_down"].addressable_shards[0].data.shape == (24, 64)
+
+    @jax.jit
+    def mlp(p, x):  # [T, D] -> [T, D]
+        return (jax.nn.silu(x @ p["layers.0.w_gate"]) * (x @ p["layers.0.w_up"])) @ p["layers.0.w_down"]
+
+    x = jnp.asarray(rng.standard_normal((5, config.hidden_size)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(mlp(sharded, x), mlp(params, x), rtol=1e-5, atol=1e-5)
