@@ -1,0 +1,399 @@
+"""Paged decode attention: one new query token per sequence against a paged KV cache.
+
+Data flow (Triton / interpret backends):
+
+    q [B, Hq, D] --reshape/pad--> q [B, Hkv, Gp, D]      (Gp = G = Hq/Hkv rounded up to a power of 2, >= 16)
+    grid (B, Hkv, num_splits): program (b, h, s) walks the pages of sequence b that fall in split s,
+        `pages_per_block` pages at a time, gathering each page of KV head h once for all G query heads
+        of its group (q tile [Gp, D] x K tile [block_tokens, D]^T on the tensor cores), online softmax.
+    num_splits == 1: the kernel normalises and writes [B, Hkv, Gp, D] in q's dtype.
+    num_splits  > 1: each split writes its unnormalised accumulator plus running max / sum (base-2 logits),
+        and `_merge_splits` combines them exactly (log-sum-exp merge) in a small XLA reduction.
+
+Quantised pages (int8 / float8_e4m3fn) carry one float32 scale per token per head; the kernel feeds the
+raw values to the tensor cores (int8 and e4m3 convert exactly to bf16/f16) and applies the scales to the
+logits columns (K) and to the probabilities (V), which is exactly dequantise-then-attend.
+Tokens at positions >= length are loaded masked (as zeros), so stale or NaN data in unused page slots
+never reaches the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.backend import resolve_backend
+
+LOG2E = math.log2(math.e)
+# Finite so that exp2(mask - max) is exactly 0 and never NaN, even for rows with no valid key yet.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_FLOAT_PAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_QUANT_PAGE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Tile sizes for the decode kernel (a static argument).
+
+    Attributes:
+        block_tokens: KV tokens per inner-loop step; a step gathers max(1, block_tokens // page_size) pages.
+        num_splits: split-K factor over the page list; None picks one from batch size and SM count.
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth of the page loop.
+    """
+
+    block_tokens: int = 128
+    num_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if not _is_pow2(self.block_tokens) or self.block_tokens < 16:
+            raise ValueError(f"block_tokens must be a power of 2 >= 16, got {self.block_tokens}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1 or None, got {self.num_splits}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of 2 <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+    def pages_per_block(self, page_size: int) -> int:
+        return max(1, self.block_tokens // page_size)
+
+
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def choose_num_splits(config: PagedAttentionConfig, batch: int, num_kv_heads: int, num_blocks: int) -> int:
+    """Split-K factor: enough programs to fill the GPU about twice, each still a few blocks long."""
+    if config.num_splits is not None:
+        return max(1, min(config.num_splits, num_blocks))
+    programs = batch * num_kv_heads
+    want = max(1, -(-2 * _num_sms() // programs))
+    most = max(1, num_blocks // 4)  # keep >= 4 page blocks per split so the loop can pipeline
+    return _next_pow2(min(want, most)) if min(want, most) > 1 else 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel body.
+# ---------------------------------------------------------------------------------------------------------
+def load_kv_block(pages_ref, scales_ref, pages, first_token, length, page_size):
+    """Gathers `pages` [n] of one KV head as a [n * page_size, D] tile, zero past `length`; plus scales.
+
+    pages_ref is one head's pages flattened to token rows, [num_pages * page_size, D]; row = page * ps + offset.
+    All-array indices (rows [N, 1] x cols [1, D]) keep the gather expressible in interpret mode too.
+    """
+    n = pages.shape[0]
+    head_dim = pages_ref.shape[-1]
+    offset = jnp.arange(page_size)[None, :]
+    rows = (pages[:, None] * page_size + offset).reshape(n * page_size)  # [N] token rows
+    valid = (first_token + jnp.arange(n)[:, None] * page_size + offset < length).reshape(n * page_size)
+    cols = jnp.arange(head_dim)[None, :]
+    mask = jnp.broadcast_to(valid[:, None], (n * page_size, head_dim))
+    zero = 0 if jnp.issubdtype(pages_ref.dtype, jnp.integer) else 0.0
+    tile = plgpu.load(pages_ref.at[rows[:, None], cols], mask=mask, other=zero)  # [N, D]
+    scales = None
+    if scales_ref is not None:
+        scales = plgpu.load(scales_ref.at[rows], mask=valid, other=0.0)  # [N]
+    return tile, scales, valid
+
+
+def attend_block(q, k, v, k_scale, v_scale, mask, carry, *, scale_log2, compute_dtype):
+    """One online-softmax step in base 2. q [M, D], k/v [N, D], scales [N] or None, mask [M, N] bool."""
+    acc, m_prev, l_prev = carry  # [M, D] f32, [M] f32, [M] f32
+    k = k.astype(compute_dtype)
+    logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, N]
+    if k_scale is not None:
+        logits = logits * k_scale[None, :]
+    logits = jnp.where(mask, logits * scale_log2, MASK_VALUE)
+    m_new = jnp.maximum(m_prev, logits.max(axis=-1))
+    alpha = jnp.exp2(m_prev - m_new)
+    p = jnp.exp2(logits - m_new[:, None])  # [M, N]
+    l_new = l_prev * alpha + p.sum(axis=-1)
+    if v_scale is not None:
+        p = p * v_scale[None, :]
+    pv = jax.lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [M, D]
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_new
+
+
+def _decode_kernel(
+    lengths_ref,  # [B] int32, whole array
+    block_tables_ref,  # [num_splits * pages_per_split] int32, row b
+    q_ref,  # [Gp, D] compute dtype
+    k_pages_ref,  # [num_pages * page_size, D], KV head h
+    v_pages_ref,  # [num_pages * page_size, D], KV head h
+    k_scales_ref,  # [num_pages * page_size] f32, KV head h (None for float pages)
+    v_scales_ref,  # [num_pages * page_size] f32, KV head h (None for float pages)
+    o_ref,  # [Gp, D]: q dtype (one split) or f32 unnormalised accumulator (split-K)
+    m_ref,  # [Gp] f32 running max of base-2 logits (None without split-K)
+    l_ref,  # [Gp] f32 running softmax denominator (None without split-K)
+    *,
+    scale_log2: float,
+    page_size: int,
+    pages_per_block: int,
+    pages_per_split: int,
+    compute_dtype,
+):
+    b, split = pl.program_id(0), pl.program_id(2)
+    block_tokens = pages_per_block * page_size
+    length = lengths_ref[b]
+    q = q_ref[...]  # [Gp, D]
+    rows, head_dim = q.shape
+
+    first_page = split * pages_per_split
+    end_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(length, page_size))
+    num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
+
+    def body(i, carry):
+        page0 = first_page + i * pages_per_block
+        pages = block_tables_ref[pl.ds(page0, pages_per_block)]  # [pages_per_block]
+        first_token = page0 * page_size
+        k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, length, page_size)
+        v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, length, page_size)
+        mask = jnp.broadcast_to(valid[None, :], (rows, block_tokens))
+        return attend_block(q, k, v, ks, vs, mask, carry, scale_log2=scale_log2, compute_dtype=compute_dtype)
+
+    carry = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, m, l = jax.lax.fori_loop(0, num_steps, body, carry)
+    if m_ref is None:
+        l_safe = jnp.where(l > 0, l, 1.0)
+        o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pallas_call builder.
+# ---------------------------------------------------------------------------------------------------------
+def _build_decode_call(q4, k_pages, v_pages, k_scales, v_scales, block_tables, lengths, *, sm_scale,
+                       config, num_splits, interpret, out_dtype):
+    """q4 [B, Hkv, Gp, D] (compute dtype); block_tables [B, num_splits * pages_per_split] (padded)."""
+    batch, num_kv_heads, rows, head_dim = q4.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    pages_per_block = config.pages_per_block(page_size)
+    pages_per_split = block_tables.shape[1] // num_splits
+    kernel = functools.partial(
+        _decode_kernel,
+        scale_log2=sm_scale * LOG2E,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        pages_per_split=pages_per_split,
+        compute_dtype=q4.dtype,
+    )
+    slots = num_pages * page_size
+    page_spec = pl.BlockSpec((None, slots, head_dim), lambda b, h, s: (h, 0, 0))
+    scale_spec = pl.BlockSpec((None, slots), lambda b, h, s: (h, 0))
+    in_specs = [
+        pl.BlockSpec((batch,), lambda b, h, s: (0,)),
+        pl.BlockSpec((None, block_tables.shape[1]), lambda b, h, s: (b, 0)),
+        pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+        page_spec,
+        page_spec,
+        None if k_scales is None else scale_spec,
+        None if v_scales is None else scale_spec,
+    ]
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct(q4.shape, out_dtype), None, None]
+        out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)), None, None]
+    else:
+        part = (num_splits, batch, num_kv_heads, rows)
+        out_shape = [
+            jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ]
+        row_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0))
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+            row_spec,
+            row_spec,
+        ]
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        name=f"paged_decode_ps{page_size}_bt{config.block_tokens}_s{num_splits}",
+    )(lengths, block_tables, q4, *flatten_pages(k_pages, v_pages, k_scales, v_scales))
+
+
+def flatten_pages(k_pages, v_pages, k_scales, v_scales):
+    """[Hkv, P, ps, D] pages and [Hkv, P, ps] scales -> token-row views [Hkv, P*ps, D] / [Hkv, P*ps] (free)."""
+    hkv, num_pages, page_size, head_dim = k_pages.shape
+    slots = num_pages * page_size
+    flat = [k_pages.reshape(hkv, slots, head_dim), v_pages.reshape(hkv, slots, head_dim)]
+    flat += [None if s is None else s.reshape(hkv, slots) for s in (k_scales, v_scales)]
+    return flat
+
+
+def merge_splits(acc, m, l):
+    """Exact merge of split-K partials. acc [S, ..., D] f32, m/l [S, ...] base-2 max / sums -> [..., D]."""
+    m_all = m.max(axis=0)  # [...]
+    w = jnp.exp2(m - m_all[None])  # [S, ...]
+    l_all = (w * l).sum(axis=0)
+    o = (w[..., None] * acc).sum(axis=0)
+    return jnp.where(l_all[..., None] > 0, o / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
+
+
+def compute_dtype_for(q_dtype, page_dtype):
+    """Dtype the tensor cores see: the page dtype for float pages, else q's 16-bit dtype (bf16 default)."""
+    if jnp.dtype(page_dtype) in _FLOAT_PAGE_DTYPES:
+        return jnp.dtype(page_dtype)
+    return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
+
+
+def _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale, config,
+                  interpret):
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    rows = max(16, _next_pow2(group))
+    pages_per_block = config.pages_per_block(page_size)
+    num_blocks = -(-block_tables.shape[1] // pages_per_block)
+    num_splits = choose_num_splits(config, batch, num_kv_heads, num_blocks)
+    pages_per_split = -(-num_blocks // num_splits) * pages_per_block
+    pad_pages = num_splits * pages_per_split - block_tables.shape[1]
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad_pages)))  # padding is never read unmasked
+    q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(compute_dtype_for(q.dtype, k_pages.dtype))
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    o, m, l = _build_decode_call(
+        q4, k_pages, v_pages, k_scales, v_scales, block_tables, lengths, sm_scale=sm_scale, config=config,
+        num_splits=num_splits, interpret=interpret, out_dtype=q.dtype)
+    if num_splits > 1:
+        o = merge_splits(o, m, l)
+    return o[:, :, :group, :].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation, public entry point and reference.
+# ---------------------------------------------------------------------------------------------------------
+def validate_pages(name, q_heads, head_dim, k_pages, v_pages, k_scales, v_scales):
+    """Shared checks of the paged KV operands; returns nothing, raises ValueError."""
+    if k_pages.ndim != 4 or v_pages.ndim != 4:
+        raise ValueError(f"{name}: k_pages/v_pages must be [Hkv, num_pages, page_size, D], got "
+                         f"{k_pages.shape} and {v_pages.shape}")
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"{name}: k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} "
+                         f"{v_pages.dtype} differ")
+    num_kv_heads, _, page_size, page_dim = k_pages.shape
+    if page_dim != head_dim:
+        raise ValueError(f"{name}: q head_dim {head_dim} != page head_dim {page_dim}")
+    if num_kv_heads == 0 or q_heads % num_kv_heads:
+        raise ValueError(f"{name}: Hq={q_heads} is not a multiple of Hkv={num_kv_heads}")
+    if not _is_pow2(page_size):
+        raise ValueError(f"{name}: page_size must be a power of 2, got {page_size}")
+    dtype = jnp.dtype(k_pages.dtype)
+    if dtype in _FLOAT_PAGE_DTYPES:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"{name}: scales given for float pages of dtype {dtype}")
+    elif dtype in _QUANT_PAGE_DTYPES:
+        if k_scales is None or v_scales is None:
+            raise ValueError(f"{name}: {dtype} pages need both k_scales and v_scales")
+        for s_name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s.shape != k_pages.shape[:3] or s.dtype != jnp.float32:
+                raise ValueError(f"{name}: {s_name} must be float32 {k_pages.shape[:3]}, got {s.shape} {s.dtype}")
+    else:
+        raise ValueError(f"{name}: unsupported page dtype {dtype}")
+
+
+def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
+    if q.ndim != 3:
+        raise ValueError(f"paged_attention: q must be [B, Hq, D], got {q.shape}")
+    if jnp.dtype(q.dtype) not in _FLOAT_PAGE_DTYPES:
+        raise ValueError(f"paged_attention: q dtype must be bf16/f16/f32, got {q.dtype}")
+    batch, q_heads, head_dim = q.shape
+    validate_pages("paged_attention", q_heads, head_dim, k_pages, v_pages, k_scales, v_scales)
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.dtype != jnp.int32:
+        raise ValueError(f"paged_attention: block_tables must be int32 [B={batch}, max_blocks], got "
+                         f"{block_tables.shape} {block_tables.dtype}")
+    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
+        raise ValueError(f"paged_attention: lengths must be int32 [{batch}], got {lengths.shape} {lengths.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config"))
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, k_scales=None,
+                    v_scales=None, backend=None, config: PagedAttentionConfig = PagedAttentionConfig()):
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    Args:
+        q: [B, Hq, D] queries (bf16/f16/f32).
+        k_pages, v_pages: [Hkv, num_pages, page_size, D] pages (bf16/f16/f32, or int8/float8_e4m3fn with scales).
+        block_tables: [B, max_blocks] int32 page ids of each sequence, in order.
+        lengths: [B] int32 KV lengths (the new token's KV already written); 0 gives a zero output.
+        sm_scale: logit scale, default 1/sqrt(D).
+        k_scales, v_scales: [Hkv, num_pages, page_size] float32 per-token scales, for quantised pages only.
+        backend: None, "triton", "interpret" or "xla" (see pallas_kernels.backend).
+        config: tile sizes (static).
+
+    Returns:
+        [B, Hq, D] in q's dtype.
+    """
+    _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+    sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    resolved = resolve_backend(backend, "paged_attention")
+    if resolved == "xla":
+        return reference(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, k_scales=k_scales,
+                         v_scales=v_scales).astype(q.dtype)
+    if resolved == "mosaic_gpu":
+        raise ValueError("paged_attention: no mosaic_gpu kernel yet; use backend='triton'")
+    if not _is_pow2(q.shape[-1]) or q.shape[-1] < 16:
+        raise ValueError(f"paged_attention: the Pallas kernel needs a power-of-2 head_dim >= 16, got {q.shape[-1]}")
+    return _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm_scale=sm_scale,
+                         config=config, interpret=resolved == "interpret")
+
+
+def dequantize_pages(pages, scales):
+    """[Hkv, P, ps, D] pages (+ [Hkv, P, ps] scales or None) -> float32 values."""
+    pages = pages.astype(jnp.float32)
+    return pages if scales is None else pages * scales[..., None]
+
+
+def reference(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, k_scales=None, v_scales=None,
+              backend=None):
+    """Plain-jnp float32 decode attention gathering whole page lists; same contract as `paged_attention`."""
+    del backend
+    batch, q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    k = dequantize_pages(k_pages, k_scales)[:, block_tables]  # [Hkv, B, max_blocks, ps, D]
+    v = dequantize_pages(v_pages, v_scales)[:, block_tables]
+    k = k.reshape(num_kv_heads, batch, -1, head_dim)  # [Hkv, B, L, D]
+    v = v.reshape(num_kv_heads, batch, -1, head_dim)
+    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, L]
+    k = jnp.where(valid[None, :, :, None], k, 0.0)  # unused slots may hold NaN
+    v = jnp.where(valid[None, :, :, None], v, 0.0)
+    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, q_heads // num_kv_heads, head_dim)
+    logits = jnp.einsum("bhgd,hbld->bhgl", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = p.sum(axis=-1, keepdims=True)
+    o = jnp.einsum("bhgl,hbld->bhgd", p, v, precision=jax.lax.Precision.HIGHEST)
+    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return o.reshape(batch, q_heads, head_dim)
