@@ -1,0 +1,310 @@
+"""Ragged paged attention: one launch over a mixed batch of prefill chunks and decode rows.
+
+Data flow (Triton / interpret backends):
+
+    q [T, Hq, D] --> q [Hkv, T_pad * Gp, D]      row r of KV head h = (token r // Gp, query head h*G + r % Gp)
+    metadata pass (XLA, on device): per sequence  n_tiles[s] = cdiv(q_len[s], bq); a flat work list
+        tile w -> (tile_seq[w], tile_q0[w])  (its sequence, its first flat token), num_tiles in total.
+    grid (W, Hkv), W = T // bq + S (a static bound on the tile count; programs past num_tiles exit at once).
+        program (w, h): M = bq * Gp query rows of one sequence (bq tokens x the Gp heads of KV group h),
+        walks that sequence's pages up to the tile's last causal position; each KV page is gathered once
+        for all M rows; causal mask per row; masked store of the rows that belong to the sequence.
+    o [Hkv, T_pad * Gp, D] --> [T, Hq, D], rows at or past cu_q_lens[num_seqs] zeroed.
+
+        flat tokens:  | seq 0 (chunk, 5 tok) | s1 | seq 2 (chunk, 17 tok)      | s3 | pad pad |
+        tiles (bq=8): | w0 (5 rows valid)    | w1 | w2      | w3      | w4 (1)| w5 |
+        query j of seq s sits at position kv_lens[s] - q_len[s] + j and sees keys 0..that position.
+
+Decode rows are tiles with one valid token (G valid rows); prefill chunks fill whole tiles, so one launch
+serves both without host-side scheduling. Shapes (T, S, max_blocks) are static buckets; the data decides
+the work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.paged_attention import (
+    MASK_VALUE,
+    LOG2E,
+    _is_pow2,
+    _next_pow2,
+    attend_block,
+    compute_dtype_for,
+    dequantize_pages,
+    flatten_pages,
+    load_kv_block,
+    validate_pages,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedConfig:
+    """Tile sizes for the ragged kernel (a static argument).
+
+    Attributes:
+        block_q_rows: query rows per tile (tokens x padded group heads); tokens per tile = rows // Gp.
+        block_tokens: KV tokens per inner-loop step; a step gathers max(1, block_tokens // page_size) pages.
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth of the page loop.
+    """
+
+    block_q_rows: int = 64
+    block_tokens: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if not _is_pow2(self.block_q_rows) or self.block_q_rows < 16:
+            raise ValueError(f"block_q_rows must be a power of 2 >= 16, got {self.block_q_rows}")
+        if not _is_pow2(self.block_tokens) or self.block_tokens < 16:
+            raise ValueError(f"block_tokens must be a power of 2 >= 16, got {self.block_tokens}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of 2 <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+    def pages_per_block(self, page_size: int) -> int:
+        return max(1, self.block_tokens // page_size)
+
+    def tokens_per_tile(self, group_rows: int) -> int:
+        return max(1, self.block_q_rows // group_rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metadata pass: per-tile work list, on device.
+# ---------------------------------------------------------------------------------------------------------
+def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, max_tiles: int):
+    """Work list of query tiles. cu_q_lens [S+1], num_seqs [] -> tile_seq [W], tile_q0 [W], num_tiles [1].
+
+    Sequences at or past num_seqs get no tiles. Tiles past num_tiles repeat the last sequence; the kernel
+    skips them.
+    """
+    num_slots = cu_q_lens.shape[0] - 1
+    live = jnp.arange(num_slots) < num_seqs
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+    n_tiles = (q_lens + block_q - 1) // block_q  # [S]
+    ends = jnp.cumsum(n_tiles)  # [S] exclusive end tile of each sequence
+    w = jnp.arange(max_tiles, dtype=jnp.int32)
+    tile_seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), num_slots - 1).astype(jnp.int32)
+    tile_q0 = cu_q_lens[tile_seq] + (w - (ends - n_tiles)[tile_seq]) * block_q
+    return tile_seq, tile_q0.astype(jnp.int32), ends[-1:].astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel body.
+# ---------------------------------------------------------------------------------------------------------
+def _ragged_kernel(
+    num_tiles_ref,  # [1] int32 live tiles
+    tile_seq_ref,  # [W] int32 sequence of each tile
+    tile_q0_ref,  # [W] int32 first flat token of each tile
+    cu_q_lens_ref,  # [S+1] int32
+    kv_lens_ref,  # [S] int32
+    block_tables_ref,  # [S, max_blocks_padded] int32
+    q_ref,  # [T_pad * Gp, D] compute dtype, KV head h
+    k_pages_ref,  # [num_pages * page_size, D], KV head h
+    v_pages_ref,  # [num_pages * page_size, D], KV head h
+    k_scales_ref,  # [num_pages * page_size] f32 (None for float pages)
+    v_scales_ref,  # [num_pages * page_size] f32 (None for float pages)
+    o_ref,  # [T_pad * Gp, D] q dtype, KV head h
+    *,
+    scale_log2: float,
+    page_size: int,
+    pages_per_block: int,
+    group_rows: int,
+    block_q: int,
+    compute_dtype,
+):
+    w = pl.program_id(0)
+
+    @pl.when(w < num_tiles_ref[0])
+    def _():
+        seq, q0 = tile_seq_ref[w], tile_q0_ref[w]
+        q_begin, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+        first_pos = kv_lens_ref[seq] - (q_end - q_begin)  # position of the sequence's first query token
+        rows = block_q * group_rows
+        tok = q0 + jnp.arange(rows) // group_rows  # [M] flat token of each row
+        pos = first_pos + tok - q_begin  # [M] causal position of each row
+        kv_hi = first_pos + jnp.minimum(q0 + block_q, q_end) - q_begin  # keys the tile's last row sees
+        block_tokens = pages_per_block * page_size
+        q = q_ref[pl.ds(q0 * group_rows, rows), :]  # [M, D]
+
+        def body(i, carry):
+            page0 = i * pages_per_block
+            pages = block_tables_ref[seq, pl.ds(page0, pages_per_block)]  # [pages_per_block]
+            first_token = page0 * page_size
+            k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, kv_hi, page_size)
+            v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, kv_hi, page_size)
+            key = first_token + jnp.arange(block_tokens)  # [N]
+            mask = valid[None, :] & (key[None, :] <= pos[:, None])  # [M, N]
+            return attend_block(q, k, v, ks, vs, mask, carry, scale_log2=scale_log2, compute_dtype=compute_dtype)
+
+        carry = (
+            jnp.zeros((rows, q.shape[1]), jnp.float32),
+            jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32),
+        )
+        acc, _, l = jax.lax.fori_loop(0, pl.cdiv(kv_hi, block_tokens), body, carry)
+        out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        store_mask = jnp.broadcast_to((tok < q_end)[:, None], out.shape)
+        plgpu.store(o_ref.at[pl.ds(q0 * group_rows, rows), :], out, mask=store_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pallas_call builder.
+# ---------------------------------------------------------------------------------------------------------
+def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales, *,
+                   sm_scale, config, interpret):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    group_rows = _next_pow2(group)
+    block_q = config.tokens_per_tile(group_rows)
+    rows = block_q * group_rows
+    num_slots = kv_lens.shape[0]
+    max_tiles = num_tokens // block_q + num_slots  # sum_s cdiv(q_len_s, bq) <= T / bq + S
+    padded_tokens = num_tokens + block_q  # a tile may start near T and span bq rows
+    pages_per_block = config.pages_per_block(page_size)
+    pad_pages = -block_tables.shape[1] % pages_per_block
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad_pages)))  # padding is never read unmasked
+
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(compute_dtype_for(q.dtype, k_pages.dtype))
+    q4 = jnp.pad(q4, ((0, padded_tokens - num_tokens), (0, 0), (0, group_rows - group), (0, 0)))
+    q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group_rows, head_dim)
+    tile_seq, tile_q0, num_tiles = tile_metadata(cu_q_lens, num_seqs, block_q=block_q, max_tiles=max_tiles)
+
+    kernel = functools.partial(
+        _ragged_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size, pages_per_block=pages_per_block,
+        group_rows=group_rows, block_q=block_q, compute_dtype=q_rows.dtype)
+    whole = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
+    slots = num_pages * page_size
+    row_spec = pl.BlockSpec((None, padded_tokens * group_rows, head_dim), lambda w, h: (h, 0, 0))
+    page_spec = pl.BlockSpec((None, slots, head_dim), lambda w, h: (h, 0, 0))
+    scale_spec = pl.BlockSpec((None, slots), lambda w, h: (h, 0))
+    in_specs = [
+        whole((1,)), whole((max_tiles,)), whole((max_tiles,)), whole(cu_q_lens.shape), whole(kv_lens.shape),
+        whole(block_tables.shape), row_spec, page_spec, page_spec,
+        None if k_scales is None else scale_spec, None if v_scales is None else scale_spec,
+    ]
+    o_rows = pl.pallas_call(
+        kernel,
+        grid=(max_tiles, num_kv_heads),
+        in_specs=in_specs,
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        name=f"ragged_paged_ps{page_size}_m{rows}_bt{config.block_tokens}",
+    )(num_tiles, tile_seq, tile_q0, cu_q_lens, kv_lens, block_tables, q_rows,
+      *flatten_pages(k_pages, v_pages, k_scales, v_scales))
+
+    o = o_rows.reshape(num_kv_heads, padded_tokens, group_rows, head_dim)[:, :num_tokens, :group]
+    o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    live = jnp.arange(num_tokens) < cu_q_lens[num_seqs]  # rows no tile wrote hold garbage
+    return jnp.where(live[:, None, None], o, jnp.zeros((), o.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation, public entry point and reference.
+# ---------------------------------------------------------------------------------------------------------
+def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales):
+    name = "ragged_paged_attention"
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must be [T, Hq, D], got {q.shape}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"{name}: q dtype must be bf16/f16/f32, got {q.dtype}")
+    validate_pages(name, q.shape[1], q.shape[2], k_pages, v_pages, k_scales, v_scales)
+    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
+        raise ValueError(f"{name}: block_tables must be int32 [S, max_blocks], got {block_tables.shape} "
+                         f"{block_tables.dtype}")
+    num_slots = block_tables.shape[0]
+    if kv_lens.shape != (num_slots,) or kv_lens.dtype != jnp.int32:
+        raise ValueError(f"{name}: kv_lens must be int32 [{num_slots}], got {kv_lens.shape} {kv_lens.dtype}")
+    if cu_q_lens.shape != (num_slots + 1,) or cu_q_lens.dtype != jnp.int32:
+        raise ValueError(f"{name}: cu_q_lens must be int32 [{num_slots + 1}], got {cu_q_lens.shape} "
+                         f"{cu_q_lens.dtype}")
+    if jnp.shape(num_seqs) not in ((), (1,)) or jnp.result_type(num_seqs) != jnp.int32:
+        raise ValueError(f"{name}: num_seqs must be an int32 scalar, got {jnp.shape(num_seqs)} "
+                         f"{jnp.result_type(num_seqs)}")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config"))
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, sm_scale=None,
+                           k_scales=None, v_scales=None, backend=None, config: RaggedConfig = RaggedConfig()):
+    """Causal attention of a flat, ragged batch of query tokens over a paged KV cache.
+
+    Args:
+        q: [T, Hq, D] query tokens of all sequences, back to back (bf16/f16/f32).
+        k_pages, v_pages: [Hkv, num_pages, page_size, D] (bf16/f16/f32, or int8/float8_e4m3fn with scales).
+        block_tables: [S, max_blocks] int32 page ids of each sequence slot.
+        kv_lens: [S] int32 KV length of each sequence including this step's tokens (already in the pages).
+        cu_q_lens: [S+1] int32 cumulative query lengths; sequence s owns tokens cu_q_lens[s]:cu_q_lens[s+1].
+        num_seqs: int32 scalar; slots at or past it are padding.
+        sm_scale: logit scale, default 1/sqrt(D).
+        k_scales, v_scales: [Hkv, num_pages, page_size] float32 per-token scales, for quantised pages only.
+        backend: None, "triton", "interpret" or "xla" (see pallas_kernels.backend).
+        config: tile sizes (static).
+
+    Returns:
+        [T, Hq, D] in q's dtype; rows at or past cu_q_lens[num_seqs] are zero.
+    """
+    _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales)
+    num_seqs = jnp.reshape(num_seqs, ())
+    sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    resolved = resolve_backend(backend, "ragged_paged_attention")
+    if resolved == "xla":
+        return reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                         k_scales=k_scales, v_scales=v_scales).astype(q.dtype)
+    if resolved == "mosaic_gpu":
+        raise ValueError("ragged_paged_attention: no mosaic_gpu kernel yet; use backend='triton'")
+    if not _is_pow2(q.shape[-1]) or q.shape[-1] < 16:
+        raise ValueError(f"ragged_paged_attention: the Pallas kernel needs a power-of-2 head_dim >= 16, got "
+                         f"{q.shape[-1]}")
+    return _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales,
+                          sm_scale=sm_scale, config=config, interpret=resolved == "interpret")
+
+
+def reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, sm_scale=None, k_scales=None,
+              v_scales=None, backend=None, token_chunk: int = 64):
+    """Plain-jnp float32 ragged attention; gathers each token's page list, `token_chunk` tokens at a time."""
+    del backend
+    num_tokens, q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    group = q_heads // num_kv_heads
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    num_seqs = jnp.reshape(num_seqs, ())
+    k_all = dequantize_pages(k_pages, k_scales)  # [Hkv, P, ps, D]
+    v_all = dequantize_pages(v_pages, v_scales)
+    t = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, block_tables.shape[0] - 1)  # [T]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])  # [T]
+    live = t < cu_q_lens[num_seqs]
+
+    def one_chunk(args):
+        q_c, seq_c, pos_c = args  # [C, Hq, D], [C], [C]
+        k = k_all[:, block_tables[seq_c]].reshape(num_kv_heads, len(seq_c), -1, head_dim)  # [Hkv, C, L, D]
+        v = v_all[:, block_tables[seq_c]].reshape(num_kv_heads, len(seq_c), -1, head_dim)
+        valid = jnp.arange(k.shape[2])[None, :] <= pos_c[:, None]  # [C, L]
+        k = jnp.where(valid[None, :, :, None], k, 0.0)  # unused slots may hold NaN
+        v = jnp.where(valid[None, :, :, None], v, 0.0)
+        qg = q_c.astype(jnp.float32).reshape(len(seq_c), num_kv_heads, group, head_dim)
+        logits = jnp.einsum("chgd,hcld->chgl", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
+        logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+        p = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("chgl,hcld->chgd", p, v, precision=jax.lax.Precision.HIGHEST)
+
+    chunk = min(token_chunk, num_tokens)
+    pad = -num_tokens % chunk
+    split = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, chunk, *x.shape[1:])  # noqa: E731
+    o = jax.lax.map(one_chunk, (split(q), split(seq), split(jnp.maximum(pos, 0))))
+    o = o.reshape(-1, q_heads, head_dim)[:num_tokens]
+    return jnp.where(live[:, None, None], o, 0.0)
