@@ -1,0 +1,219 @@
+"""Request state shared by the scheduler and the engine (pure Python, no JAX).
+
+Data flow: the engine builds a `Request` from a prompt's token ids and a validated `SamplingParams`, hands it
+to `Scheduler.add_request`, and from then on the scheduler owns its mutable state:
+
+    prompt_token_ids + output_token_ids == all_token_ids        (num_tokens of them)
+    |<------------ num_computed_tokens ------------>|<- to compute ->|
+    KV of these positions is in the request's blocks  scheduled in later steps
+
+`num_computed_tokens` only counts positions whose KV is written. A sampled token is appended to the outputs
+before its KV exists, so during decoding `num_tokens - num_computed_tokens == 1`; the next step computes it and
+samples the following token. Prefill chunks, prefix-cache hits, decode rows and recomputation after a
+preemption are all the same arithmetic on these two numbers.
+
+`RequestOutput` is what the engine streams back per step; detokenisation (the text delta) and stop strings are
+the engine's job, token-level stop conditions are the scheduler's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding options (OpenAI / vLLM semantics).
+
+    Attributes:
+        max_tokens: most output tokens to generate (at least 1).
+        temperature: 0 means greedy; larger flattens the distribution.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        min_p: drop tokens whose probability is below min_p * max probability; 0 disables it.
+        repetition_penalty: HF-style multiplicative penalty (> 0) on tokens already seen; 1 disables it.
+        presence_penalty: OpenAI additive penalty in [-2, 2] on tokens present in the output.
+        frequency_penalty: OpenAI additive penalty in [-2, 2] scaled by output counts.
+        seed: per-request RNG seed; None draws from the engine's stream.
+        stop: stop strings, matched by the engine on the detokenised text.
+        stop_token_ids: extra token ids that end generation (besides EOS), checked by the scheduler.
+        min_tokens: EOS and stop_token_ids do not end generation before this many outputs.
+        ignore_eos: keep generating through EOS (stop_token_ids still apply).
+        logprobs: number of top logprobs to return per output token; None disables them.
+        n: number of independent completions; the engine fans a request out into n sequences.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+    def validate(self) -> SamplingParams:
+        """Checks every field; returns self so that calls chain.
+
+        Raises:
+            ValueError: naming the offending field and value.
+        """
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}")
+        _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        _check(isinstance(self.stop_token_ids, tuple) and all(_is_token(t) for t in self.stop_token_ids),
+               f"stop_token_ids must be a tuple of non-negative ints, got {self.stop_token_ids!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+               f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        return self
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> PREEMPTED -> RUNNING by recompute."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence being generated. Fields below `num_computed_tokens` are owned by the scheduler.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: the prompt (non-empty).
+        sampling_params: decoding options (validated by the scheduler on admission).
+        eos_token_ids: token ids that count as EOS for this model.
+        arrival_time: time.monotonic() at creation; FCFS order.
+        priority: lower is served earlier (only with the scheduler's "priority" policy).
+        cache_namespace: prefix-cache namespace (e.g. model or adapter name); requests in different namespaces
+            never share KV blocks.
+        output_token_ids: generated tokens, appended by `append_output`.
+        output_logprobs: one entry per output token when logprobs were passed to the scheduler's update.
+        num_computed_tokens: positions whose KV is written (see the module docstring).
+        status: lifecycle state.
+        finish_reason: 'stop' | 'length' | 'abort' | 'error' once finished.
+        finish_message: human-readable detail for 'error' (and optional for others).
+        num_cached_tokens: prompt tokens served from the prefix cache at the (last) admission.
+        num_preemptions: times this request was preempted.
+        block_ids: KV blocks covering positions [0, num_computed_tokens + scheduled); scheduler-owned.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_namespace: Any = None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[Any] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    finish_message: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        # Kept in sync by append_output so that per-step slicing does not rebuild prompt + outputs.
+        self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs. The live list: read it, do not mutate it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int, logprob: Any = None) -> None:
+        """Appends one generated token (and its logprob entry when given)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What the engine streams per step for one request.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated since the previous output.
+        finished: whether the request is done.
+        finish_reason: set when finished.
+        text: the detokenised delta, filled by the engine (the scheduler never touches text).
+        new_logprobs: logprob entries matching new_token_ids, when requested.
+        finish_message: detail for finish_reason 'error'.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    text: str = ""
+    new_logprobs: list[Any] | None = None
+    finish_message: str | None = None
