@@ -180,6 +180,8 @@ class RadixCache:
 
     def lock(self, node: RadixNode) -> None:
         """Protects `node` and its ancestors from eviction until a matching `unlock`."""
+        if node.removed:
+            raise ValueError(f"lock of evicted node {node.uid}")
         while not node.is_root:
             if node.lock_ref == 0:
                 self._num_locked_blocks += len(node.block_ids)
