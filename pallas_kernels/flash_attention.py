@@ -625,11 +625,14 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "sliding_window", "logits_soft_cap",
-                                             "return_lse", "backend"))
+                                             "return_lse", "backend", "block_sizes"))
 def reference(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_ids=None, sliding_window=None,
-              logits_soft_cap=None, return_lse=False, backend=None):
-    """Plain-jnp attention with flash_attention's signature, in float32 at HIGHEST precision."""
-    del backend
+              logits_soft_cap=None, return_lse=False, backend=None, block_sizes=None):
+    """Plain-jnp attention with flash_attention's signature, in float32 at HIGHEST precision.
+
+    `backend` and `block_sizes` are accepted and ignored so the two functions are interchangeable.
+    """
+    del backend, block_sizes
     batch, q_len, hq, head_dim = q.shape
     kv_len, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale

@@ -1,0 +1,210 @@
+"""FlashAttention kernel tests: one shared base, run through the Pallas interpreter on CPU and on a GPU.
+
+Every case compares against `reference()` (float32, HIGHEST precision) on fresh random inputs, row by row, so
+an unwritten tile or a wrong mask shows up as a mismatch or a non-finite value.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import shapes
+from pallas_kernels.flash_attention import BlockSizes, flash_attention, reference
+
+# Small tiles so short test sequences still span several query and key blocks (diagonal + full + tail).
+SMALL_TILES = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=32, block_k_dkv=16,
+                         num_warps=4, num_stages=2)
+
+
+def _has_gpu() -> bool:
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+def _rel_err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _inputs(q_shape, kv_shape, dtype, seed):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(kq, q_shape, dtype), jax.random.normal(kk, kv_shape, dtype),
+            jax.random.normal(kv, kv_shape, dtype), jax.random.normal(kd, q_shape, jnp.float32))
+
+
+class FlashAttentionTestBase:
+    """Shared cases; subclasses set `backend` (and may tighten or loosen `fp32_tol`)."""
+
+    backend: str | None = "interpret"
+    fp32_tol = 2e-5
+
+    def _check_forward(self, shape: shapes.AttentionShape, dtype=jnp.float32, seed=0, tol=None, **kw):
+        q, k, v, _ = _inputs(shape.q_shape, shape.kv_shape, dtype, seed)
+        o, lse = flash_attention(q, k, v, backend=self.backend, return_lse=True, **kw)
+        ref_o, ref_lse = reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                   return_lse=True, **kw)
+        assert o.shape == q.shape and o.dtype == q.dtype
+        assert lse.shape == (shape.batch, shape.num_q_heads, shape.q_len)
+        finite_rows = np.isfinite(np.asarray(ref_lse))
+        assert np.isfinite(np.asarray(o, np.float32)).all(), "non-finite output: an unwritten or poisoned tile"
+        np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite_rows)
+        tol = tol or (self.fp32_tol if dtype == jnp.float32 else 1e-2)
+        assert _rel_err(o, ref_o) < tol
+        # Row by row, so one bad row cannot hide inside a global norm.
+        row_err = np.abs(np.asarray(o, np.float32) - np.asarray(ref_o)).max(axis=-1)
+        assert row_err.max() < (50 * tol if dtype == jnp.float32 else 0.1), row_err.max()
+        np.testing.assert_allclose(np.where(finite_rows, lse, 0), np.where(finite_rows, ref_lse, 0),
+                                   atol=50 * tol, rtol=0)
+        return o
+
+    def _check_grads(self, shape: shapes.AttentionShape, seed=0, with_lse=False, **kw):
+        q, k, v, do = _inputs(shape.q_shape, shape.kv_shape, jnp.float32, seed)
+        dlse = jax.random.normal(jax.random.key(seed + 1), (shape.batch, shape.num_q_heads, shape.q_len))
+
+        def loss(fn, q, k, v):
+            if not with_lse:
+                return jnp.sum(fn(q, k, v, **kw) * do)
+            o, lse = fn(q, k, v, return_lse=True, **kw)
+            return jnp.sum(o * do) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse)
+
+        ours = jax.grad(lambda *a: loss(lambda *b, **c: flash_attention(*b, backend=self.backend, **c), *a),
+                        argnums=(0, 1, 2))(q, k, v)
+        ref = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2))(q, k, v)
+        for name, g, r in zip("qkv", ours, ref):
+            assert np.isfinite(np.asarray(g)).all(), f"d{name} not finite"
+            assert _rel_err(g, r) < 20 * self.fp32_tol, (name, _rel_err(g, r))
+
+    # ---- forward sweeps ----
+
+    @pytest.mark.parametrize("name", [s.name for s in shapes.TEST_FLASH if s.q_len == s.kv_len])
+    def test_causal_lengths_and_gqa(self, name):
+        self._check_forward(shapes.BY_NAME[name], causal=True)
+
+    def test_non_causal_tail(self):
+        self._check_forward(shapes.BY_NAME["len513_gqa4"], causal=False, block_sizes=SMALL_TILES)
+
+    def test_diagonal_blocks_small_tiles(self):
+        self._check_forward(shapes.BY_NAME["len127_mha"], causal=True, block_sizes=SMALL_TILES, seed=3)
+
+    @pytest.mark.parametrize("q_offset", [160, "traced"])
+    def test_q_offset_chunk_at_end(self, q_offset):
+        shape = shapes.BY_NAME["chunk_q40_kv200"]
+        off = jnp.int32(160) if q_offset == "traced" else q_offset
+        self._check_forward(shape, causal=True, q_offset=off, block_sizes=SMALL_TILES)
+
+    def test_bf16_error_bound(self):
+        self._check_forward(shapes.BY_NAME["len513_gqa4"], dtype=jnp.bfloat16, causal=True, seed=1)
+
+    def test_fp16(self):
+        self._check_forward(shapes.BY_NAME["len127_mha"], dtype=jnp.float16, causal=True, seed=2)
+
+    def test_segment_ids_packed(self):
+        shape = shapes.BY_NAME["len127_mha"]
+        seg = jnp.asarray(np.repeat([[0, 1, 2]], [50, 40, 37], axis=1).repeat(shape.batch, 0), jnp.int32)
+        self._check_forward(shape, causal=True, segment_ids=seg, block_sizes=SMALL_TILES)
+
+    def test_segment_pair_with_empty_rows(self):
+        shape = shapes.BY_NAME["chunk_q40_kv200"]
+        q_seg = jnp.asarray(np.repeat([[1, 2, 7]], [10, 20, 10], axis=1).repeat(2, 0), jnp.int32)  # 7: no keys
+        kv_seg = jnp.asarray(np.repeat([[1, 2]], [120, 80], axis=1).repeat(2, 0), jnp.int32)
+        o = self._check_forward(shape, causal=False, segment_ids=(q_seg, kv_seg), block_sizes=SMALL_TILES)
+        assert np.all(np.asarray(o)[:, 30:] == 0.0)
+
+    def test_sliding_window_skips_blocks(self):
+        self._check_forward(shapes.BY_NAME["len513_gqa4"], causal=True, sliding_window=100,
+                            block_sizes=SMALL_TILES)
+
+    def test_soft_cap(self):
+        self._check_forward(shapes.BY_NAME["len127_mha"], causal=True, logits_soft_cap=3.0, sm_scale=0.5)
+
+    # ---- backward ----
+
+    def test_grads_causal_gqa(self):
+        self._check_grads(shapes.BY_NAME["len127_gqa8_d256"], causal=True)
+
+    def test_grads_chunk_tail_small_tiles(self):
+        self._check_grads(shapes.BY_NAME["chunk_q40_kv200"], causal=True, q_offset=160, block_sizes=SMALL_TILES)
+
+    def test_grads_window_cap_segments_lse(self):
+        shape = shapes.BY_NAME["len127_mha"]
+        seg = jnp.asarray(np.repeat([[0, 1]], [70, 57], axis=1), jnp.int32)
+        self._check_grads(shape, with_lse=True, causal=True, sliding_window=33, logits_soft_cap=4.0,
+                          segment_ids=seg, block_sizes=SMALL_TILES)
+
+    def test_grads_non_causal(self):
+        self._check_grads(shapes.BY_NAME["len3_gqa3"], causal=False)
+
+    # ---- validation ----
+
+    @pytest.mark.parametrize("case", ["rank", "kv_mismatch", "heads", "dtype", "head_dim", "segments",
+                                      "window_non_causal", "q_offset", "cap", "backend"])
+    def test_value_errors(self, case):
+        q = jnp.zeros((1, 8, 4, 64), jnp.float32)
+        k = v = jnp.zeros((1, 8, 2, 64), jnp.float32)
+        kw = dict(backend=self.backend)
+        if case == "rank":
+            q = q[0]
+        elif case == "kv_mismatch":
+            v = jnp.zeros((1, 9, 2, 64), jnp.float32)
+        elif case == "heads":
+            k = v = jnp.zeros((1, 8, 3, 64), jnp.float32)
+        elif case == "dtype":
+            k = k.astype(jnp.bfloat16)
+        elif case == "head_dim":
+            q, k, v = (jnp.zeros(x.shape[:3] + (512,), jnp.float32) for x in (q, k, v))
+        elif case == "segments":
+            kw["segment_ids"] = jnp.zeros((1, 7), jnp.int32)
+        elif case == "window_non_causal":
+            kw.update(causal=False, sliding_window=4)
+        elif case == "q_offset":
+            kw["q_offset"] = -1
+        elif case == "cap":
+            kw["logits_soft_cap"] = 0.0
+        else:
+            kw["backend"] = "cuda_magic"
+        with pytest.raises(ValueError):
+            flash_attention(q, k, v, **kw)
+
+
+class TestInterpret(FlashAttentionTestBase):
+    backend = "interpret"
+
+    def test_gpu_backends_rejected_on_cpu(self):
+        if _has_gpu():
+            pytest.skip("this device can run GPU backends")
+        q = k = v = jnp.zeros((1, 8, 2, 64), jnp.float32)
+        for name in ("triton", "mosaic_gpu"):
+            with pytest.raises(ValueError, match="cannot run"):
+                flash_attention(q, k, v, backend=name)
+
+    def test_default_backend_on_cpu_is_reference(self):
+        shape = shapes.BY_NAME["len3_gqa3"]
+        q, k, v, _ = _inputs(shape.q_shape, shape.kv_shape, jnp.float32, 0)
+        backend = None if not _has_gpu() else "xla"
+        np.testing.assert_allclose(flash_attention(q, k, v, backend=backend), reference(q, k, v), atol=1e-6)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+class TestGpuTriton(FlashAttentionTestBase):
+    backend = "triton"
+
+    def test_bench_shape_bf16(self):
+        shape = shapes.AttentionShape("mid", 2, 1024, 1024, 8, 2, 128)
+        self._check_forward(shape, dtype=jnp.bfloat16, causal=True)
+        self._check_forward(shape, dtype=jnp.bfloat16, causal=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+class TestGpuDefault(TestGpuTriton):
+    backend = None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+class TestGpuMosaic(TestGpuTriton):
+    backend = "mosaic_gpu"
