@@ -81,3 +81,51 @@ def init_contiguous_cache(num_layers: int, batch: int, max_len: int, num_kv_head
     """Zeroed contiguous caches, one (k, v) pair per layer, each [B, S_max, Hkv, hd]."""
     shape = (batch, max_len, num_kv_heads, head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedMeta:
+    """Paged KV cache (the engine): per layer (k_pages, v_pages), each [Hkv, num_pages, page_size, hd].
+
+    The batch is flat: tokens [1, T] of several sequences back to back. Token t's K/V goes to slot
+    `slot_mapping[t]` (= page * page_size + offset); then attention runs either the ragged kernel (mixed prefill
+    chunks and decode rows; causal inside each chunk) or, when every sequence has exactly one query token and
+    T == num sequence slots, the paged decode kernel.
+    """
+
+    slot_mapping: jax.Array  # [T] int32
+    block_tables: jax.Array  # [S, max_blocks] int32
+    kv_lens: jax.Array  # [S] int32, including this step's tokens
+    cu_q_lens: jax.Array  # [S + 1] int32
+    num_seqs: jax.Array  # [] int32
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    backend: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def attend(self, q, k, v, positions, cache):
+        from pallas_kernels.paged_attention import paged_attention
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+        k_pages, v_pages = cache
+        k_pages = write_pages(k_pages, k[0], self.slot_mapping)
+        v_pages = write_pages(v_pages, v[0], self.slot_mapping)
+        if self.decode_only:
+            out = paged_attention(q[0], k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend)
+        else:
+            out = ragged_paged_attention(q[0], k_pages, v_pages, self.block_tables, self.kv_lens, self.cu_q_lens,
+                                         self.num_seqs, backend=self.backend)
+        return out[None], (k_pages, v_pages)
+
+
+def write_pages(pages: jax.Array, new_thd: jax.Array, slots_t: jax.Array) -> jax.Array:
+    """Scatters new [T, Hkv, hd] into pages [Hkv, P, ps, hd] at flat slots [T]."""
+    h, p, ps, hd = pages.shape
+    flat = pages.reshape(h, p * ps, hd)
+    flat = flat.at[:, slots_t].set(jnp.swapaxes(new_thd, 0, 1).astype(pages.dtype))
+    return flat.reshape(h, p, ps, hd)
+
+
+def init_paged_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                     dtype) -> list[tuple[jax.Array, jax.Array]]:
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
