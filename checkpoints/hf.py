@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
+from checkpoints.gguf import expected_shapes  # Canonical name -> shape, shared by every loader.
 from model.config import ModelConfig, RopeScaling
 
 _log = logging.getLogger(__name__)
@@ -63,23 +64,6 @@ def canonical_name(hf_name: str) -> tuple[str, bool] | None:
         suffix, transpose = _LAYER_TENSORS[match.group(2)]
         return f"layers.{match.group(1)}.{suffix}", transpose
     return None
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical parameter name -> shape for `config` (the table in docs/ARCHITECTURE.md)."""
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.q_size, config.kv_size
-    shapes: dict[str, tuple[int, ...]] = {"embed": (v, d), "final_norm": (d,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (d, v)
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "attn_norm": (d,), p + "wq": (d, q), p + "wk": (d, kv), p + "wv": (d, kv),
-                       p + "wo": (q, d), p + "mlp_norm": (d,), p + "w_gate": (d, f), p + "w_up": (d, f),
-                       p + "w_down": (f, d)})
-        if config.attention_bias:
-            shapes.update({p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)})
-    return shapes
 
 
 # Config ------------------------------------------------------------------------------------------------------------

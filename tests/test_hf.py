@@ -9,6 +9,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from checkpoints import hf
+from checkpoints.gguf import expected_shapes
 from model.config import ModelConfig, RopeScaling
 
 TINY_HF_CONFIG = {
@@ -74,7 +75,7 @@ def write_tiny_hf(directory: str, num_shards: int = 1, **overrides) -> dict[str,
 
 def check_canonical(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray], config: ModelConfig):
     """Every canonical tensor equals its HF source, transposed for linear layers; nothing extra."""
-    assert set(params) == set(hf.expected_shapes(config))
+    assert set(params) == set(expected_shapes(config))
     for hf_name, src in tensors.items():
         mapped = hf.canonical_name(hf_name)
         if mapped is None or mapped[0] not in params:  # Ignored buffers; lm_head of a tied model.

@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
-from checkpoints.hf import expected_shapes  # noqa: E402
+from checkpoints.gguf import expected_shapes  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from sharding import mesh as mesh_lib  # noqa: E402
 from sharding import rules  # noqa: E402

@@ -1,0 +1,100 @@
+"""Converts a GGUF file or an HF safetensors directory into an Orbax checkpoint (checkpoints/orbax_io.py).
+
+    python -m checkpoints.convert --src model.gguf --dst /ckpt/model [--dtype bfloat16] [--overwrite]
+
+Load (per-tensor progress on stderr) -> cast each tensor to --dtype in place (progress again) -> orbax save with
+config.json and the tokenizer files. Errors in flags or paths print one `convert: error: ...` line and exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from checkpoints import hf, orbax_io
+from checkpoints.loader import load_checkpoint
+
+_SRC = flags.DEFINE_string("src", None, "a .gguf file, an HF safetensors directory, an Orbax checkpoint or 'default'")
+_DST = flags.DEFINE_string("dst", None, "output directory for the Orbax checkpoint")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                           "parameter dtype to store; auto keeps the loaded one (float32 for GGUF, stored for HF)")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace an existing Orbax checkpoint at --dst")
+
+
+class Progress:
+    """`progress(done, total, name)` callback: one rewritten line on a terminal, a line per 10% in a log."""
+
+    def __init__(self, label: str, stream=sys.stderr):
+        self.label = label
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last_decile = -1
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        pct = 100 * done // max(total, 1)
+        if self.tty:
+            end = "\n" if done == total else ""
+            self.stream.write(f"\r\033[K{self.label} {done}/{total} ({pct}%) {name}{end}")
+        elif pct // 10 != self.last_decile or done == total:
+            self.last_decile = pct // 10
+            self.stream.write(f"{self.label} {done}/{total} ({pct}%) {name}\n")
+        self.stream.flush()
+
+
+def _load(src: str, dtype: Any) -> tuple[Any, dict[str, np.ndarray], Any]:
+    """(config, params, tokenizer) from any supported source; HF tensors are cast while they are read."""
+    if os.path.isdir(src) and hf.is_hf_dir(src):
+        config, params = hf.load_hf(src, dtype=dtype, progress=Progress("loading"))
+        return config, params, hf.load_hf_tokenizer(src)
+    checkpoint = load_checkpoint(src, progress=Progress("loading"))
+    return checkpoint.config, checkpoint.params, checkpoint.tokenizer
+
+
+def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False) -> None:
+    """Loads `src` and writes an Orbax checkpoint with config and tokenizer at `dst`.
+
+    Raises:
+        FileNotFoundError, FileExistsError, ValueError: bad source or destination (messages name the path).
+    """
+    if os.path.exists(dst) and not overwrite and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise FileExistsError(f"{dst} already exists (pass --overwrite to replace it)")
+    cast = None if dtype == "auto" else jnp.dtype(dtype)
+    config, params, tokenizer = _load(src, cast)
+    if cast is not None:
+        progress = Progress(f"casting to {dtype}")
+        for i, name in enumerate(list(params)):
+            params[name] = np.asarray(params[name]).astype(cast, copy=False)  # One tensor at a time: peak memory.
+            progress(i + 1, len(params), name)
+    size_gb = sum(p.nbytes for p in params.values()) / 1e9
+    sys.stderr.write(f"saving {len(params)} tensors ({size_gb:.2f} GB) of {config.name} to {dst} ...\n")
+    start = time.perf_counter()
+    orbax_io.save(dst, config, params, tokenizer, overwrite=overwrite)
+    sys.stderr.write(f"saved in {time.perf_counter() - start:.1f} s"
+                     f"{'' if tokenizer is not None else ' (no tokenizer found in the source)'}\n")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        sys.stderr.write(f"convert: error: unexpected arguments {argv[1:]}\n")
+        return 2
+    if not _SRC.value or not _DST.value:
+        sys.stderr.write("convert: error: --src and --dst are required\n")
+        return 2
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every step at INFO; keep stderr to progress.
+    try:
+        convert(_SRC.value, _DST.value, _DTYPE.value, _OVERWRITE.value)
+    except (OSError, ValueError, RuntimeError) as e:  # Expected user errors: one line, no traceback.
+        sys.stderr.write(f"convert: error: {e}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,133 @@
+"""Orbax checkpoints: our native format, restored straight onto a device mesh.
+
+Directory layout:
+
+    DIR/
+      config.json              ModelConfig.to_json()
+      params/                  orbax PyTree checkpoint of the flat canonical dict ("layers.0.wq": [D, Hq*hd], ...)
+      tokenizer.json           } Tokenizer.save(), when the checkpoint has a tokenizer
+      tokenizer_config.json    }
+
+Restoring with a mesh hands orbax one ArrayRestoreArgs per array carrying its NamedSharding from
+sharding/rules.py, so every host reads only the shards its devices hold; nothing is materialised on one device
+and then redistributed. Without a mesh, arrays come back as host numpy arrays (the loaders' common currency).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from checkpoints.gguf import check_params, expected_shapes
+from model.config import ModelConfig
+from sharding.rules import param_shardings
+
+CONFIG_FILE = "config.json"
+PARAMS_DIR = "params"
+_ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
+
+
+def is_orbax_dir(path: str) -> bool:
+    """True when `path` holds a checkpoint written by `save` (config.json plus an orbax params/ directory)."""
+    params_dir = os.path.join(path, PARAMS_DIR)
+    return (os.path.isfile(os.path.join(path, CONFIG_FILE)) and os.path.isdir(params_dir)
+            and any(os.path.exists(os.path.join(params_dir, m)) for m in _ORBAX_MARKERS))
+
+
+def _clear(directory: str, overwrite: bool) -> None:
+    """Makes `directory` ready for a new checkpoint; only ever deletes a previous checkpoint of ours."""
+    if not os.path.exists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{directory} already exists (pass overwrite=True to replace it)")
+    if not is_orbax_dir(directory):
+        raise FileExistsError(f"{directory} exists and is not an Orbax checkpoint of ours; refusing to delete it")
+    shutil.rmtree(directory)
+
+
+def save(directory: str, config: ModelConfig, params: dict[str, Any], tokenizer=None, *,
+         overwrite: bool = False) -> None:
+    """Writes params (numpy or jax arrays, possibly sharded), config.json and the tokenizer files.
+
+    Args:
+        directory: destination; created if needed.
+        config: the model configuration, stored as config.json.
+        params: canonical flat dict; its dtypes are kept.
+        tokenizer: a checkpoints.tokenizer.Tokenizer, or None.
+        overwrite: replace an existing checkpoint at `directory`.
+
+    Raises:
+        FileExistsError: `directory` is not empty and overwrite is False (or it is not a checkpoint of ours).
+        ValueError: params do not match the config.
+    """
+    check_params(params, config)
+    extra = sorted(set(params) - set(expected_shapes(config)))
+    if extra:
+        raise ValueError(f"params not in the config's canonical set: {extra[:8]}")
+    directory = os.path.abspath(directory)
+    _clear(directory, overwrite)
+    os.makedirs(directory, exist_ok=True)
+    # Orbax writes to a temporary name and renames on commit, so a crash leaves no half-written params/.
+    ocp.PyTreeCheckpointer().save(os.path.join(directory, PARAMS_DIR), dict(params))
+    if jax.process_index() == 0:
+        with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+            f.write(config.to_json())
+        if tokenizer is not None:
+            tokenizer.save(directory)
+
+
+def load_config(directory: str) -> ModelConfig:
+    """Reads the ModelConfig of a checkpoint written by `save`."""
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
+        return ModelConfig.from_json(f.read())
+
+
+def restore(directory: str, mesh: Mesh | None = None, dtype: Any = None) -> tuple[ModelConfig, dict[str, Any], Any]:
+    """Restores (config, params, tokenizer) from a checkpoint written by `save`.
+
+    Args:
+        directory: the checkpoint directory.
+        mesh: when given, each array is read directly into its NamedSharding (sharding/rules.py) on this mesh
+            and comes back as a jax.Array; when None, arrays come back as numpy on the host.
+        dtype: cast to this dtype while reading (e.g. jnp.bfloat16); None keeps the stored dtype.
+
+    Returns:
+        (config, canonical params, Tokenizer or None).
+
+    Raises:
+        ValueError: not a checkpoint of ours, or stored arrays that do not match config.json.
+    """
+    directory = os.path.abspath(directory)
+    if not is_orbax_dir(directory):
+        raise ValueError(f"{directory} is not an Orbax checkpoint (expected {CONFIG_FILE} and {PARAMS_DIR}/)")
+    config = load_config(directory)
+    params_dir = os.path.join(directory, PARAMS_DIR)
+    checkpointer = ocp.PyTreeCheckpointer()
+    stored = checkpointer.metadata(params_dir).item_metadata.tree  # name -> ArrayMetadata (shape, dtype)
+    expected = expected_shapes(config)
+    problems = sorted(set(expected) ^ set(stored))
+    problems += [f"{k}: {tuple(m.shape)} != {expected[k]}" for k, m in stored.items()
+                 if k in expected and tuple(m.shape) != expected[k]]
+    if problems:
+        raise ValueError(f"{directory}: stored params do not match config.json: {problems[:8]}")
+    cast = None if dtype is None else jnp.dtype(dtype)
+    if mesh is None:
+        args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast) for k in stored}
+    else:
+        shardings = param_shardings({k: tuple(m.shape) for k, m in stored.items()}, mesh,
+                                    head_dim=config.head_dim)
+        args = {k: ocp.ArrayRestoreArgs(sharding=shardings[k], dtype=cast) for k in stored}
+    params = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=args))
+    tokenizer = None
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        from checkpoints.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(directory)
+    return config, dict(params), tokenizer
