@@ -13,9 +13,12 @@ token sampled last step), a request resumed after preemption needs its prompt an
 1. Running requests, decode rows (one token left) first, then unfinished prefills, each group oldest first.
    Each takes min(remaining, budget left, long_prefill_token_threshold) tokens. When blocks run out the youngest
    unscheduled running request is preempted by recompute (its computed full blocks go to the prefix cache, its
-   references are dropped, it returns to the front of the waiting queue with num_computed_tokens = 0). A request
-   resumed after preemption is protected until it samples a new token; protection yields only when every other
-   candidate is protected too, so no set of requests can block each other forever.
+   references are dropped, it returns to the front of the waiting queue with num_computed_tokens = 0).
+   No livelock: a request resumed after preemption is protected until it samples a new token. It is never a
+   victim; when it is short of blocks itself and only protected requests are left to preempt, it waits (keeping
+   its blocks) while unprotected requests run or preempt themselves. Only when a whole step would schedule
+   nothing (every running request protected and blocked) is protection dropped for that step. So each
+   preemption of a request is followed by a new token of it, and every step makes progress.
 2. If nothing was preempted, waiting requests in FCFS order (or by priority, then arrival), while slots, budget
    and blocks last. Admission looks up the prefix cache for `all_token_ids[:-1]`: at least the last token is
    always computed so that its logits exist. A request that cannot get blocks stays at the head of the queue.
@@ -267,21 +270,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plans one step; see the module docstring."""
         out = SchedulerOutput()
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._age(r)))
         scheduled: set[str] = set()
-        for req in order:
-            budget = self.max_num_batched_tokens - out.num_batched_tokens
-            if budget <= 0:
-                break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # Preempted earlier in this loop.
-            n = self._num_new_tokens(req, budget)
-            if self._allocate_or_preempt(req, n, scheduled, out):
-                self._emit(req, n, out)
-                scheduled.add(req.request_id)
+        self._schedule_running(out, scheduled, protect=True)
+        if not out.scheduled and self.running:
+            # Every running request is protected and waiting for blocks: only preempting one of them can unblock
+            # the others.
+            self._schedule_running(out, scheduled, protect=False)
         if not out.preempted_ids:
             self._admit_waiting(out)
         return out
+
+    def _schedule_running(self, out: SchedulerOutput, scheduled: set[str], protect: bool) -> None:
+        """Decode rows first, then unfinished prefills, each oldest first, while the budget lasts."""
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._age(r)))
+        for req in order:
+            budget = self.max_num_batched_tokens - out.num_batched_tokens
+            if budget <= 0:
+                return
+            if req.status is not RequestStatus.RUNNING:
+                continue  # Preempted earlier in this loop.
+            n = self._num_new_tokens(req, budget)
+            if self._allocate_or_preempt(req, n, scheduled, out, protect):
+                self._emit(req, n, out)
+                scheduled.add(req.request_id)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         """Starts waiting requests at the head of the queue while slots, budget and blocks last."""
@@ -340,14 +351,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------ blocks, preemption
 
-    def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
-        """Gets blocks for n more tokens of a running request, preempting others when short.
+    def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput,
+                             protect: bool) -> bool:
+        """Gets blocks for n more tokens of a running request, preempting the youngest unscheduled running
+        request (possibly req itself) while short. With `protect`, requests resumed after a preemption that have
+        not sampled since are never victims; a protected req with no victim waits, keeping its blocks.
 
-        Returns False when req itself was preempted or must wait (nothing else can be preempted)."""
+        Returns False when req was preempted or must wait."""
         while not self._allocate(req, n, out.cow_pairs):
-            candidates = [r for r in self.running if r.request_id not in scheduled]
-            unprotected = [r for r in candidates if r.request_id not in self._needs_progress]
-            victim = max(unprotected or candidates, key=self._age, default=None)
+            candidates = [r for r in self.running if r.request_id not in scheduled
+                          and not (protect and r.request_id in self._needs_progress)]
+            victim = max(candidates, key=self._age, default=None)
             if victim is None:
                 return False
             self._preempt(victim)

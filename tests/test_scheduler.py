@@ -1,0 +1,454 @@
+"""Scheduler: token budget, chunked prefill, prefix hits, preemption, stops, abort, fork, randomized stress.
+
+Pools are tiny (block_size 4) so block ids are exact: the free queue hands out 1, 2, 3, ... in order.
+"""
+
+import random
+
+import pytest
+
+from serving.request import Request, RequestStatus, SamplingParams
+from serving.scheduler import RequestRejected, Scheduler
+
+BS = 4
+EOS = 2
+
+
+def make(num_blocks=17, max_num_seqs=8, budget=64, max_model_len=64, caching=False, **kw):
+    return Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, max_model_len=max_model_len, enable_prefix_caching=caching, **kw)
+
+
+def req(rid, prompt, max_tokens=16, priority=0, **params):
+    if isinstance(prompt, int):
+        prompt = list(range(100, 100 + prompt))
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,),
+                   priority=priority)
+
+
+def step(s, token=7, per_request=None):
+    """schedule + update, sampling `token` (or per_request[id]) for every sampled row."""
+    out = s.schedule()
+    sampled = {}
+    for sr in out.scheduled:
+        if sr.sample:
+            sampled[sr.request_id] = [per_request.get(sr.request_id, token) if per_request else token]
+    done = s.update(out, sampled)
+    s.check_invariants()
+    return out, done
+
+
+def by_id(out):
+    return {sr.request_id: sr for sr in out.scheduled}
+
+
+def test_chunked_prefill_splits_a_long_prompt():
+    s = make(budget=4)
+    r = req("a", 10)
+    s.add_request(r)
+    chunks = []
+    for _ in range(3):
+        out, _ = step(s)
+        (sr,) = out.scheduled
+        chunks.append((sr.start_pos, sr.token_ids, sr.block_table, sr.sample))
+    assert chunks == [(0, list(range(100, 104)), [1], False),
+                      (4, list(range(104, 108)), [1, 2], False),
+                      (8, [108, 109], [1, 2, 3], True)]
+    assert r.output_token_ids == [7] and r.num_computed_tokens == 10
+    out, _ = step(s)  # Decode: the sampled token at position 10.
+    (sr,) = out.scheduled
+    assert (sr.start_pos, sr.token_ids, sr.block_table, sr.sample) == (10, [7], [1, 2, 3], True)
+
+
+def test_budget_is_respected_across_requests():
+    s = make(budget=10)
+    for rid in "abc":
+        s.add_request(req(rid, 4))
+    out, _ = step(s)
+    assert [(sr.request_id, len(sr.token_ids), sr.sample) for sr in out.scheduled] == [
+        ("a", 4, True), ("b", 4, True), ("c", 2, False)]
+    assert out.num_batched_tokens == 10
+    out, _ = step(s)
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("a", 1), ("b", 1), ("c", 2)]
+    assert out.num_batched_tokens == 4
+
+
+def test_decode_rows_come_before_an_older_prefill():
+    s = make(budget=8, long_prefill_token_threshold=6)
+    s.add_request(req("long", 20))
+    s.add_request(req("short", 2))
+    out, _ = step(s)
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("long", 6), ("short", 2)]
+    for _ in range(2):
+        out, _ = step(s)
+        assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("short", 1), ("long", 6)]
+    out, _ = step(s)
+    assert [(sr.request_id, len(sr.token_ids), sr.sample) for sr in out.scheduled] == [
+        ("short", 1, True), ("long", 2, True)]
+
+
+def test_max_num_seqs_limits_running():
+    s = make(max_num_seqs=2)
+    for rid in "abc":
+        s.add_request(req(rid, 4))
+    out, _ = step(s)
+    assert sorted(by_id(out)) == ["a", "b"] and s.num_running == 2 and s.num_waiting == 1
+
+
+def test_chunked_prefill_disabled_waits_for_budget_and_rejects_oversized():
+    s = make(budget=6, enable_chunked_prefill=False)
+    s.add_request(req("a", 4))
+    s.add_request(req("b", 4))
+    out, _ = step(s)
+    assert list(by_id(out)) == ["a"]  # b does not fit whole in the 2 tokens left.
+    out, _ = step(s)
+    assert list(by_id(out)) == ["a", "b"]
+    with pytest.raises(RequestRejected, match="chunked prefill is disabled"):
+        s.add_request(req("c", 7))
+
+
+def test_prefix_hit_skips_computed_blocks():
+    s = make(caching=True)
+    a = req("a", 10, max_tokens=1)
+    s.add_request(a)
+    _, done = step(s)
+    assert done == [a] and a.finish_reason == "length"
+    # Full blocks 1, 2 (positions 0-7) are cached; the partial block 3 went back to the pool.
+    assert s.cache.cached_block_ids() == [1, 2] and s.block_manager.num_used == 2
+    b = req("b", list(range(100, 109)) + [55])
+    s.add_request(b)
+    out, _ = step(s)
+    (sr,) = out.scheduled
+    assert (sr.start_pos, sr.token_ids, sr.block_table, sr.sample) == (8, [108, 55], [1, 2, 4], True)
+    assert b.num_cached_tokens == 8
+    stats = s.stats()
+    assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (20, 8)
+    assert stats.prefix_hit_rate == pytest.approx(0.4)
+
+
+def test_prefix_hit_never_covers_the_whole_prompt():
+    s = make(caching=True)
+    s.add_request(req("a", 8, max_tokens=1))
+    step(s)
+    assert s.cache.cached_block_ids() == [1, 2]
+    c = req("c", 8)  # Exactly the two cached blocks.
+    s.add_request(c)
+    out, _ = step(s)
+    (sr,) = out.scheduled
+    # The last token must be computed for logits, so only block 1 is reused; position 4.. go to a new block.
+    assert (sr.start_pos, sr.block_table, sr.sample) == (4, [1, 3], True)
+    assert c.num_cached_tokens == 4
+
+
+def test_concurrent_requests_share_a_prompt_cached_after_prefill():
+    s = make(caching=True)
+    s.add_request(req("a", 9))
+    step(s)  # a's prompt is computed and its full blocks 1, 2 cached while it keeps running.
+    s.add_request(req("b", 9))
+    out, _ = step(s)
+    sr = by_id(out)["b"]
+    assert sr.start_pos == 8 and sr.block_table == [1, 2, 4]
+    assert s.block_manager.refcount(1) == 3  # Cache, a and b.
+
+
+def test_namespaces_do_not_share_prefixes():
+    s = make(caching=True)
+    a = req("a", 9, max_tokens=1)
+    a.cache_namespace = "adapter-1"
+    s.add_request(a)
+    step(s)
+    b = req("b", 9)
+    b.cache_namespace = "adapter-2"
+    s.add_request(b)
+    out, _ = step(s)
+    assert out.scheduled[0].start_pos == 0
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_preempts_youngest_and_resumes_it_by_recompute(caching):
+    # 4 usable blocks; a and b each have 1 prompt block and grow one block per 4 decoded tokens.
+    s = make(num_blocks=5, caching=caching)
+    a, b = req("a", 4, max_tokens=9), req("b", list(range(200, 204)), max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(5):  # Positions 0..7: a in blocks [1, 3], b in [2, 4].
+        out, _ = step(s)
+        assert not out.preempted_ids
+    assert (a.block_ids, b.block_ids) == ([1, 3], [2, 4])
+    out, _ = step(s)  # Both would write position 8: a (older) needs a third block and none is free.
+    assert out.preempted_ids == ["b"] and list(by_id(out)) == ["a"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_preemptions == 1 and b.block_ids == []
+    assert b.num_computed_tokens == 0 and b.output_token_ids == [7] * 5  # Outputs survive.
+    # b's blocks went back to the pool in order; with caching they were cached, and eviction took the LRU leaf.
+    assert a.block_ids == [1, 3, 4 if caching else 2]
+    while a.status is not RequestStatus.FINISHED:
+        out, _ = step(s)
+        assert "b" not in by_id(out)
+    assert a.finish_reason == "length"
+    out, _ = step(s)  # b resumes: prompt + outputs recomputed in one chunk, then sampled.
+    sr = by_id(out)["b"]
+    # With caching, b's first block (positions 0-3) survived in the cache.
+    assert sr.start_pos == (4 if caching else 0)
+    assert sr.token_ids == b.all_token_ids[sr.start_pos:9] and sr.sample
+    while s.has_unfinished():
+        step(s)
+    assert b.finish_reason == "length" and b.output_token_ids == [7] * 8
+    if caching:
+        s.cache.clear()
+    assert s.block_manager.num_free == 4
+
+
+def test_resumed_request_is_not_preempted_again_before_progress():
+    # 6 usable blocks, recompute in chunks of 4 tokens. a is the oldest and decodes throughout.
+    s = make(num_blocks=7, budget=5, long_prefill_token_threshold=4)
+    a, c, b = req("a", 4, max_tokens=20), req("c", 8, max_tokens=12), req("b", 8, max_tokens=12)
+    for r in (a, c, b):
+        s.add_request(r)
+    while b.num_preemptions == 0:
+        out, _ = step(s)
+    assert out.preempted_ids == ["b"]  # The youngest goes first.
+    s.abort("c")
+    while b.num_preemptions == 1:  # b resumes, samples, and is preempted again as the youngest.
+        out, _ = step(s)
+    window = []
+    outputs_before = len(b.output_token_ids)
+    while len(b.output_token_ids) == outputs_before:  # b resumes and recomputes 12 tokens over 3 steps.
+        out, _ = step(s)
+        window.append(out)
+    assert len(window) == 4 and all("b" not in o.preempted_ids for o in window)
+    # When a needed a block and b was the only other request, a yielded instead of b.
+    assert [o.preempted_ids for o in window] == [[], [], [], ["a"]]
+    assert b.num_preemptions == 2 and a.num_preemptions == 1
+    while s.has_unfinished():
+        step(s)
+    assert (a.finish_reason, b.finish_reason) == ("length", "length")
+
+
+def test_request_that_can_never_fit_is_rejected_at_add():
+    s = make(num_blocks=5, max_model_len=64)  # 4 blocks = 16 positions.
+    too_long = req("x", 65)
+    with pytest.raises(RequestRejected, match="longer than max_model_len=64"):
+        s.add_request(too_long)
+    assert too_long.status is RequestStatus.FINISHED and too_long.finish_reason == "error"
+    assert "max_model_len" in too_long.finish_message
+    with pytest.raises(RequestRejected, match="KV blocks"):
+        s.add_request(req("y", 17, max_tokens=1))
+    with pytest.raises(RequestRejected, match="KV blocks"):
+        s.add_request(req("z", 8, max_tokens=10))  # 17 positions at most.
+    s.add_request(req("ok", 8, max_tokens=9))  # 16 positions: fits exactly.
+    with pytest.raises(RequestRejected, match="empty prompt"):
+        s.add_request(req("e", []))
+    with pytest.raises(RequestRejected, match="top_p"):
+        s.add_request(req("p", 4, top_p=0.0))
+    with pytest.raises(ValueError, match="duplicate"):
+        s.add_request(req("ok", 4))
+    assert not s.has_unfinished() is False and s.num_waiting == 1
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_abort_frees_blocks_in_every_state(caching):
+    s = make(num_blocks=8, budget=4, caching=caching)
+    s.add_request(req("waiting", 4))
+    assert s.abort("waiting").finish_reason == "abort"
+    s.add_request(req("prefill", 10, max_tokens=4))
+    step(s)
+    assert s.abort("prefill").status is RequestStatus.FINISHED  # Mid-prefill.
+    s.add_request(req("decode", 4))
+    step(s)
+    step(s)
+    s.abort("decode")
+    assert s.abort("unknown") is None
+    # Preempted: p1 (older) grows into p2's block.
+    s.add_request(req("p1", 8, max_tokens=12))
+    s.add_request(req("p2", list(range(200, 208)), max_tokens=12))
+    for _ in range(30):
+        step(s)
+        if s.requests["p2"].status is RequestStatus.PREEMPTED:
+            break
+    assert s.requests["p2"].status is RequestStatus.PREEMPTED
+    s.abort("p2")
+    s.abort("p1")
+    s.check_invariants()
+    assert not s.has_unfinished()
+    held = s.cache.num_cached_blocks if caching else 0
+    assert s.block_manager.num_used == held
+    if caching:
+        s.cache.clear()
+    assert s.block_manager.num_free == 7
+
+
+def test_stop_conditions():
+    s = make()
+    s.add_request(req("eos", 4))
+    s.add_request(req("ignore", 4, ignore_eos=True, max_tokens=2))
+    s.add_request(req("stopid", 4, stop_token_ids=(9,)))
+    s.add_request(req("min", 4, min_tokens=2))
+    _, done = step(s, token=EOS, per_request={"stopid": 9})
+    assert {r.request_id: r.finish_reason for r in done} == {"eos": "stop", "stopid": "stop"}
+    _, done = step(s, token=EOS)
+    assert {r.request_id: r.finish_reason for r in done} == {"ignore": "length", "min": "stop"}
+    assert s.block_manager.num_used == 0
+
+
+def test_max_model_len_stops_with_length():
+    s = make(max_model_len=6)
+    r = req("a", 4, max_tokens=10)
+    s.add_request(r)
+    step(s)
+    _, done = step(s)
+    assert done == [r] and r.finish_reason == "length" and r.num_tokens == 6
+
+
+def test_update_appends_several_tokens_and_stops_midway():
+    s = make()
+    r = req("a", 4, max_tokens=10)
+    s.add_request(r)
+    out = s.schedule()
+    s.update(out, {"a": [5, 6, 7]}, logprobs={"a": [-0.1, -0.2, -0.3]})
+    assert r.output_token_ids == [5, 6, 7] and r.output_logprobs == [-0.1, -0.2, -0.3]
+    out = s.schedule()
+    (sr,) = out.scheduled
+    assert (sr.start_pos, sr.token_ids, sr.sample) == (4, [5, 6, 7], True)  # Same path as a prefill chunk.
+    done = s.update(out, {"a": [8, EOS, 9]})
+    assert done == [r] and r.output_token_ids == [5, 6, 7, 8, EOS]
+    s.check_invariants()
+
+
+def test_update_rejects_missing_or_misplaced_tokens():
+    s = make(budget=2)
+    s.add_request(req("a", 4))
+    out = s.schedule()
+    with pytest.raises(ValueError, match="non-final prefill chunk"):
+        s.update(out, {"a": [1]})
+    s2 = make()
+    s2.add_request(req("a", 4))
+    with pytest.raises(ValueError, match="got no token"):
+        s2.update(s2.schedule(), {})
+
+
+def test_engine_finish_for_stop_string_and_abort_between_schedule_and_update():
+    s = make()
+    s.add_request(req("a", 4))
+    s.add_request(req("b", 4))
+    step(s)
+    r = s.finish("a", "stop")
+    assert r.finish_reason == "stop" and r.block_ids == [] and not s.requests.get("a")
+    out = s.schedule()
+    s.abort("b")
+    assert s.update(out, {"b": [7]}) == []  # Ignored: b is gone.
+    s.check_invariants()
+    assert s.block_manager.num_used == 0
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    s = make(max_num_seqs=2, policy="priority")
+    s.add_request(req("low", 4, priority=5))
+    s.add_request(req("high", 4, priority=0))
+    s.add_request(req("mid", 4, priority=1))
+    out, _ = step(s)
+    assert sorted(by_id(out)) == ["high", "mid"]
+
+
+def test_fork_shares_prompt_blocks_and_copies_on_write():
+    s = make()
+    parent = req("p", 6)
+    s.add_request(parent)
+    step(s)  # Prompt in blocks [1, 2]; token 7 sampled.
+    child = req("c", 6)
+    s.fork("p", child)
+    assert child.block_ids == [1, 2] and s.block_manager.refcount(2) == 2
+    out, _ = step(s, per_request={"p": 11, "c": 12})
+    rows = by_id(out)
+    # The parent writes position 6 into the shared block 2 first, so it gets the copy.
+    assert out.cow_pairs == [(2, 3)]
+    assert rows["p"].block_table == [1, 3] and rows["p"].start_pos == 6
+    assert rows["c"].block_table == [1, 2] and (rows["c"].start_pos, rows["c"].token_ids) == (5, [105])
+    assert child.output_token_ids == [12] and parent.output_token_ids == [7, 11]
+    with pytest.raises(ValueError):
+        s.fork("p", req("d", 5))
+
+
+def _random_prompt(rng, prefixes):
+    prefix = rng.choice(prefixes)
+    return prefix[:rng.randint(0, len(prefix))] + [rng.randint(3, 40) for _ in range(rng.randint(1, 14))]
+
+
+@pytest.mark.parametrize("seed,caching,policy", [(seed, seed % 3 != 1, ("fcfs", "priority")[seed % 2])
+                                                 for seed in range(10)])
+def test_randomized_stress_no_leaks(seed, caching, policy):
+    rng = random.Random(seed)
+    s = Scheduler(num_blocks=rng.choice([9, 11, 13]), block_size=BS, max_num_seqs=rng.choice([2, 4, 8]),
+                  max_num_batched_tokens=rng.choice([6, 16, 40]), max_model_len=32, enable_prefix_caching=caching,
+                  policy=policy, long_prefill_token_threshold=rng.choice([0, 5]))
+    prefixes = [[rng.randint(3, 40) for _ in range(16)] for _ in range(3)]
+    fallback_steps = []
+    schedule_running = s._schedule_running
+
+    def spy(out, scheduled, protect):  # Records steps that dropped protection (all running protected, blocked).
+        if not protect:
+            fallback_steps.append(out)
+        schedule_running(out, scheduled, protect)
+
+    s._schedule_running = spy
+    next_id, preemptions, finished, forks, copies, repeats = 0, 0, 0, 0, 0, 0
+    outputs_at_preemption = {}
+    for _ in range(1000):
+        op = rng.random()
+        if op < 0.25:
+            r = Request(f"r{next_id}", _random_prompt(rng, prefixes),
+                        SamplingParams(max_tokens=rng.randint(1, 12), min_tokens=rng.choice([0, 0, 2]),
+                                       ignore_eos=rng.random() < 0.2),
+                        eos_token_ids=(EOS,), priority=rng.randint(0, 3))
+            next_id += 1
+            try:
+                s.add_request(r)
+            except RequestRejected:
+                assert r.finish_reason == "error"
+        elif op < 0.3 and s.requests:
+            s.abort(rng.choice(sorted(s.requests)))
+        elif op < 0.33 and s.running:
+            s.finish(rng.choice(s.running).request_id, "stop")
+        elif op < 0.38 and s.running and len(s.running) < s.max_num_seqs:
+            parent = rng.choice(s.running)
+            if parent.num_computed_tokens >= parent.num_prompt_tokens:
+                s.fork(parent.request_id, Request(f"r{next_id}", parent.prompt_token_ids, parent.sampling_params,
+                                                  eos_token_ids=(EOS,)))
+                next_id += 1
+                forks += 1
+        out = s.schedule()
+        assert out.num_batched_tokens <= s.max_num_batched_tokens
+        assert out.num_batched_tokens == sum(len(sr.token_ids) for sr in out.scheduled)
+        for sr in out.scheduled:
+            assert len(sr.block_table) == -(-(sr.start_pos + len(sr.token_ids)) // BS)
+            assert 0 not in sr.block_table
+        if rng.random() < 0.1 and s.requests:
+            s.abort(rng.choice(sorted(s.requests)))  # Between schedule and update.
+        sampled = {sr.request_id: [EOS if rng.random() < 0.08 else rng.randint(3, 40)
+                                   for _ in range(rng.choice([1, 1, 1, 3]))]
+                   for sr in out.scheduled if sr.sample}
+        finished += len(s.update(out, sampled))
+        preemptions += len(out.preempted_ids)
+        copies += len(out.cow_pairs)
+        for rid in out.preempted_ids:
+            r = s.requests.get(rid)
+            if r is not None and outputs_at_preemption.get(rid) == r.num_output_tokens:
+                # Preempted again without a new token since its last preemption: only the all-protected fallback.
+                assert fallback_steps and fallback_steps[-1] is out, f"{rid} re-preempted before progress"
+                repeats += 1
+            if r is not None:
+                outputs_at_preemption[rid] = r.num_output_tokens
+        s.check_invariants()
+    while s.has_unfinished():  # Drain: everything must finish.
+        out, done = step(s, token=rng.randint(3, 40))
+        assert out.scheduled
+        finished += len(done)
+    s.check_invariants()
+    print(f"finished={finished} preemptions={preemptions} repeats={repeats} forks={forks} copies={copies} {s.stats()}")
+    assert finished > 20 and preemptions > 0
+    cached = s.cache.num_cached_blocks if caching else 0
+    assert s.block_manager.num_used == cached
+    if caching:
+        s.cache.clear()
+        assert s.cache.num_cached_blocks == 0
+    assert s.block_manager.num_free == s.block_manager.num_usable_blocks
+    s.check_invariants()
