@@ -195,7 +195,9 @@ def _three_loops(bounds, body, carry):
 
 
 def _dot(a, b, trans_b=False):
-    return pltriton.dot(a, b, trans_b=trans_b)
+    # fp32 inputs get IEEE products (Triton's default for fp32 is TF32, ~3e-4 relative error).
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 and b.dtype == jnp.float32 else None
+    return pltriton.dot(a, b, trans_b=trans_b, precision=precision)
 
 
 # ---------------------------------------------------------------------------------------------------------

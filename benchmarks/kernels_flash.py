@@ -1,0 +1,174 @@
+"""Device benchmark: our FlashAttention against cuDNN and JAX's example kernels, in one run.
+
+Run on the GPU machine from the repo root:
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/kernels_flash.py [--quick]
+Prints a table and writes every number to $OUT/flash.json (or ./flash.json without $OUT).
+
+TFLOP/s counts matmul FLOPs only: 4*B*H*S*S*D for a non-causal forward, half of that causal, and 2.5x the
+forward for the backward (shapes.AttentionShape). Each time is the median of several timed batches after a
+warm-up that includes compilation; inputs are fresh random normals (never zeros).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import shapes
+from pallas_kernels.flash_attention import BlockSizes, flash_attention
+
+FWD_CONFIGS = {
+    "q128k64w8s3": BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    "q128k128w8s2": BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    "q128k64w4s3": BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
+    "q64k64w4s3": BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=3),
+}
+BWD_CONFIGS = {
+    "bwd64x64w4s2": BlockSizes(),
+    "bwd64x128w8s2": BlockSizes(block_q_dq=64, block_k_dq=128, block_q_dkv=128, block_k_dkv=64,
+                                num_warps_bwd=8, num_stages_bwd=2),
+    "bwd128x64w8s2": BlockSizes(block_q_dq=128, block_k_dq=64, block_q_dkv=64, block_k_dkv=128,
+                                num_warps_bwd=8, num_stages_bwd=2),
+}
+
+
+def time_fn(fn, *args, iters: int = 10, reps: int = 5) -> float:
+    """Median seconds per call; the first call (compile + warm-up) is not timed."""
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def _rel_err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def forward_impls(shape: shapes.AttentionShape, quick: bool):
+    """name -> (jitted fn(q, k, v), input dtype override or None)."""
+    causal = shape.causal
+    impls = {}
+    configs = {"q128k64w8s3": FWD_CONFIGS["q128k64w8s3"]} if quick else FWD_CONFIGS
+    for cfg_name, cfg in configs.items():
+        impls[f"ours_triton[{cfg_name}]"] = (jax.jit(functools.partial(
+            flash_attention, causal=causal, backend="triton", block_sizes=cfg)), None)
+    impls["ours_mosaic_gpu"] = (jax.jit(functools.partial(flash_attention, causal=causal,
+                                                          backend="mosaic_gpu")), None)
+    impls["cudnn"] = (jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                                implementation="cudnn")), None)
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention  # noqa: PLC0415 (deprecated module)
+    from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: PLC0415
+
+    impls["jax_example_mha_triton"] = (jax.jit(functools.partial(
+        jax_attention.mha, segment_ids=None, sm_scale=1 / math.sqrt(shape.head_dim), causal=causal)), None)
+    mgpu_cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+    # The example's SMEM scratch is declared float16, so it is fed fp16 copies of the inputs.
+    impls["jax_example_attention_mgpu(fp16)"] = (jax.jit(functools.partial(
+        attention_mgpu.attention, config=mgpu_cfg)), jnp.float16)
+    return impls
+
+
+def backward_impls(shape: shapes.AttentionShape, quick: bool):
+    causal = shape.causal
+    impls = {}
+    configs = {"bwd64x64w4s2": BWD_CONFIGS["bwd64x64w4s2"]} if quick else BWD_CONFIGS
+    for cfg_name, cfg in configs.items():
+        impls[f"ours_triton[{cfg_name}]"] = functools.partial(flash_attention, causal=causal, backend="triton",
+                                                              block_sizes=cfg)
+    impls["cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
+    return impls
+
+
+def run_shape(shape, rows, quick: bool, with_backward: bool):
+    q, k, v = shape.make_inputs(seed=hash(shape.name) % 1000)
+    ref = None
+    for name, (fn, dtype) in forward_impls(shape, quick).items():
+        args = (q, k, v) if dtype is None else tuple(x.astype(dtype) for x in (q, k, v))
+        row = dict(shape=shape.name, impl=name, pass_="fwd")
+        try:
+            out = fn(*args)
+            if name == "cudnn":
+                ref = out
+            seconds = time_fn(fn, *args)
+            row.update(ms=seconds * 1e3, tflops=shape.forward_flops() / seconds / 1e12,
+                       rel_err_vs_cudnn=None if ref is None else _rel_err(out, ref))
+        except Exception as err:  # noqa: BLE001 - a failing contender is recorded, not fatal
+            row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
+        rows.append(row)
+        print_row(row)
+    if not with_backward:
+        return
+    do = jax.random.normal(jax.random.key(7), q.shape, q.dtype)
+    for name, fn in backward_impls(shape, quick).items():
+        row = dict(shape=shape.name, impl=name, pass_="bwd")
+        try:
+            out, vjp = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v))(q, k, v)
+            bwd = jax.jit(lambda vjp, do: vjp(do))
+            seconds = time_fn(bwd, vjp, do, iters=5, reps=3)
+            row.update(ms=seconds * 1e3, tflops=shape.backward_flops() / seconds / 1e12)
+        except Exception as err:  # noqa: BLE001
+            row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
+        rows.append(row)
+        print_row(row)
+
+
+def print_row(row):
+    if "error" in row:
+        print(f"{row['shape']:<28} {row['pass_']:<4} {row['impl']:<36} ERROR {row['error'][:150]}", flush=True)
+        return
+    err = row.get("rel_err_vs_cudnn")
+    err_s = "" if err is None else f"  err_vs_cudnn={err:.2e}"
+    print(f"{row['shape']:<28} {row['pass_']:<4} {row['impl']:<36} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+          f"{err_s}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one config of ours per pass")
+    parser.add_argument("--no-backward", action="store_true")
+    args = parser.parse_args()
+    print(jax.devices(), flush=True)
+    rows = []
+    for shape in shapes.BENCH_FLASH:
+        with_backward = not args.no_backward and shape.batch == 4
+        try:
+            run_shape(shape, rows, args.quick, with_backward)
+        except Exception:  # noqa: BLE001 - keep the other shapes' numbers
+            traceback.print_exc()
+    print("\n=== summary (best of ours vs cuDNN) ===")
+    for shape in shapes.BENCH_FLASH:
+        for pass_ in ("fwd", "bwd"):
+            ok = [r for r in rows if r["shape"] == shape.name and r["pass_"] == pass_ and "tflops" in r]
+            ours = [r for r in ok if r["impl"].startswith("ours")]
+            cudnn = [r for r in ok if r["impl"] == "cudnn"]
+            if ours and cudnn:
+                best = max(ours, key=lambda r: r["tflops"])
+                print(f"{shape.name:<28} {pass_}: ours {best['tflops']:6.1f} ({best['impl']}) "
+                      f"cudnn {cudnn[0]['tflops']:6.1f}  ratio {best['tflops'] / cudnn[0]['tflops']:.2f}")
+    result = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
+                  jax=jax.__version__, rows=rows)
+    path = os.path.join(os.environ.get("OUT", "."), "flash.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
