@@ -1,0 +1,163 @@
+"""Tests of the ragged (mixed prefill + decode) paged attention kernel against its float32 reference.
+
+Batches mix prefill chunks with prior context, decode rows, speculative-verify rows, a sequence with no
+query tokens this step, padded sequence slots and padding token rows. Pages outside every block table and
+slots past each sequence's kv_len hold NaN (see test_paged_attention.build_pool).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention as pa
+from pallas_kernels import ragged_paged_attention as rpa
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+# (q_len, kv_len) per live sequence: chunk with prior context, decode, fresh prefill, idle, decode at 1,
+# speculative verify of 3 tokens, long decode.
+MIXED = [(5, 25), (1, 513), (17, 17), (0, 40), (1, 1), (3, 127), (1, 1023)]
+
+
+def _build_pool(rng, kv_lens, **kwargs):
+    from test_paged_attention import build_pool  # shared page-pool builder (tests/ is on sys.path)
+
+    return build_pool(rng, kv_lens, **kwargs)
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), "non-finite output"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_batch(rng, seqs, *, pad_slots=2, pad_tokens=3, group=2, num_kv_heads=2, head_dim=64, page_size=16,
+               dtype=jnp.float32, q_dtype=None):
+    """Inputs for `seqs` [(q_len, kv_len)] plus `pad_slots` unused sequence slots and `pad_tokens` rows."""
+    kv_lens = [kv for _, kv in seqs] + [0] * pad_slots
+    pool = _build_pool(rng, kv_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                       dtype=dtype)
+    cu = np.concatenate([[0], np.cumsum([q for q, _ in seqs] + [0] * pad_slots)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + pad_tokens
+    q_dtype = q_dtype or (dtype if jnp.dtype(dtype) not in QUANT_DTYPES else jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), q_dtype)
+    args = (q, pool["k_pages"], pool["v_pages"], jnp.asarray(pool["block_tables"]),
+            jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.int32(len(seqs)))
+    return args, dict(k_scales=pool["k_scales"], v_scales=pool["v_scales"])
+
+
+class RaggedAttentionTestBase:
+    backend: str = "interpret"
+
+    def run_case(self, seqs, *, config=rpa.RaggedConfig(), seed=0, **kwargs):
+        args, scales = make_batch(np.random.default_rng(seed), seqs, **kwargs)
+        out = rpa.ragged_paged_attention(*args, **scales, backend=self.backend, config=config)
+        ref = rpa.reference(*args, **scales)
+        assert out.shape == args[0].shape and out.dtype == args[0].dtype
+        live = int(args[5][int(args[6])])
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[live:], 0.0)  # padding rows
+        return out, ref
+
+    @pytest.mark.parametrize(
+        "group,head_dim,page_size,rows,block_tokens",
+        [(1, 64, 16, 16, 16), (3, 64, 32, 64, 64), (4, 128, 16, 32, 32), (8, 64, 128, 64, 64),
+         (2, 64, 16, 64, 128)],
+    )
+    def test_mixed_f32(self, group, head_dim, page_size, rows, block_tokens):
+        config = rpa.RaggedConfig(block_q_rows=rows, block_tokens=block_tokens)
+        out, ref = self.run_case(MIXED, group=group, head_dim=head_dim, page_size=page_size, config=config)
+        assert rel_err(out, ref) < 1e-4
+
+    def test_prefill_chunks_only(self):
+        seqs = [(40, 40), (33, 100), (64, 64 + 513)]
+        out, ref = self.run_case(seqs, group=4, pad_slots=0, pad_tokens=0,
+                                 config=rpa.RaggedConfig(block_q_rows=32, block_tokens=32))
+        assert rel_err(out, ref) < 1e-4
+
+    def test_bf16_bounds(self):
+        out, ref = self.run_case(MIXED, group=4, dtype=jnp.bfloat16)
+        assert rel_err(out, ref) < 1e-2
+
+    @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+    def test_quantised_pages(self, dtype):
+        out, ref = self.run_case(MIXED, group=4, page_size=32, dtype=dtype)
+        assert rel_err(out, ref) < 2e-2
+
+    def test_decode_rows_match_paged_kernel(self):
+        seqs = [(1, n) for n in (1, 3, 127, 513)]
+        args, _ = make_batch(np.random.default_rng(5), seqs, group=4, pad_slots=0, pad_tokens=0)
+        q, k, v, bt, kv_lens = args[:5]
+        ragged = rpa.ragged_paged_attention(*args, backend=self.backend)
+        decode = pa.paged_attention(q, k, v, bt, kv_lens, backend=self.backend)
+        np.testing.assert_allclose(np.asarray(ragged), np.asarray(decode), rtol=1e-4, atol=1e-5)
+
+
+class TestRaggedAttentionInterpret(RaggedAttentionTestBase):
+    backend = "interpret"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+class TestRaggedAttentionGpu(RaggedAttentionTestBase):
+    backend = "triton"
+
+    def test_large_mixed_default_config(self):
+        rng = np.random.default_rng(2)
+        seqs = [(512, 2048)] * 2 + [(1, int(n)) for n in rng.integers(1, 2049, size=20)]
+        out, ref = self.run_case(seqs, group=4, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+        assert rel_err(out, ref) < 1e-2
+
+
+def test_tile_metadata_exact():
+    cu = jnp.asarray([0, 5, 6, 23, 23, 23], jnp.int32)  # q_lens 5, 1, 17, 0 | padding slot
+    seq, q0, n = rpa.tile_metadata(cu, jnp.int32(4), block_q=8, max_tiles=8)
+    assert int(n[0]) == 5
+    np.testing.assert_array_equal(np.asarray(seq)[:5], [0, 1, 2, 2, 2])
+    np.testing.assert_array_equal(np.asarray(q0)[:5], [0, 5, 6, 14, 22])
+
+
+def test_reference_decode_rows_match_paged_reference():
+    seqs = [(1, n) for n in (1, 7, 40)]
+    args, _ = make_batch(np.random.default_rng(4), seqs, group=2, pad_slots=0, pad_tokens=0)
+    ragged = rpa.reference(*args)
+    decode = pa.reference(*args[:5])
+    np.testing.assert_allclose(np.asarray(ragged), np.asarray(decode), rtol=1e-5, atol=1e-6)
+
+
+def _valid_args():
+    q = jnp.zeros((6, 4, 16), jnp.float32)
+    pages = jnp.zeros((2, 4, 16, 16), jnp.float32)
+    return dict(q=q, k_pages=pages, v_pages=pages, block_tables=jnp.zeros((2, 2), jnp.int32),
+                kv_lens=jnp.ones((2,), jnp.int32), cu_q_lens=jnp.asarray([0, 1, 2], jnp.int32),
+                num_seqs=jnp.int32(2))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(q=jnp.zeros((6, 3, 16))), "multiple of Hkv"),
+        (dict(q=jnp.zeros((6, 4, 32))), "head_dim"),
+        (dict(q=jnp.zeros((6, 4))), r"\[T, Hq, D\]"),
+        (dict(v_pages=jnp.zeros((2, 4, 16, 16), jnp.bfloat16)), "differ"),
+        (dict(k_scales=jnp.ones((2, 4, 16))), "scales given"),
+        (dict(kv_lens=jnp.ones((3,), jnp.int32)), "kv_lens"),
+        (dict(cu_q_lens=jnp.asarray([0, 1], jnp.int32)), "cu_q_lens"),
+        (dict(num_seqs=jnp.ones((2,), jnp.int32)), "num_seqs"),
+        (dict(block_tables=jnp.zeros((2,), jnp.int32)), "block_tables"),
+    ],
+)
+def test_validation_errors(change, match):
+    args = _valid_args() | change
+    with pytest.raises(ValueError, match=match):
+        rpa.ragged_paged_attention(**args, backend="interpret")
+
+
+@pytest.mark.parametrize("kwargs", [dict(block_q_rows=8), dict(block_q_rows=48), dict(block_tokens=100),
+                                    dict(num_warps=5), dict(num_stages=0)])
+def test_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        rpa.RaggedConfig(**kwargs)
