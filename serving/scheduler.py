@@ -21,7 +21,15 @@ token sampled last step), a request resumed after preemption needs its prompt an
    preemption of a request is followed by a new token of it, and every step makes progress.
 2. If nothing was preempted, waiting requests in FCFS order (or by priority, then arrival), while slots, budget
    and blocks last. Admission looks up the prefix cache for `all_token_ids[:-1]`: at least the last token is
-   always computed so that its logits exist. A request that cannot get blocks stays at the head of the queue.
+   always computed so that its logits exist. A request starts only when blocks for all its known tokens are free
+   or evictable (it then allocates chunk by chunk), so half-computed prefills do not fill the pool and preempt
+   each other. A request that cannot start stays at the head of the queue
+   (admission never preempts, so priority orders admission and victims but does not evict running requests).
+   Requests that could never fit (prompt over max_model_len, more blocks than the pool) are refused by
+   `add_request` instead of waiting forever.
+
+Each request is one sequence: SamplingParams.n is the engine's to fan out (separate requests sharing the prompt
+through the prefix cache, or `fork` after the prompt is computed).
 
 Block tables:
 
@@ -147,6 +155,8 @@ class Scheduler:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
         if long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
+        if long_prefill_token_threshold and not enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -303,8 +313,11 @@ class Scheduler:
             req = self._waiting[0]
             node = self._lookup_prefix(req)
             n = self._num_new_tokens(req, budget)
+            # Without chunked prefill a prompt starts only whole; a resumed request may exceed the budget with
+            # its outputs, so it is chunked regardless (else it could never run again).
             whole = n == req.num_tokens - req.num_computed_tokens
-            if not (whole or self.enable_chunked_prefill) or not self._allocate(req, n, out.cow_pairs):
+            chunk_ok = self.enable_chunked_prefill or req.num_preemptions > 0
+            if not (whole or chunk_ok) or not self._fits_whole(req) or not self._allocate(req, n, out.cow_pairs):
                 self._drop_blocks(req, node)  # Undo the prefix hit; retry next step.
                 return
             self._pop_waiting()
@@ -318,6 +331,14 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._emit(req, n, out)
+
+    def _fits_whole(self, req: Request) -> bool:
+        """Whether blocks for all of req's known tokens are free or evictable now. Checked at admission so that
+        chunked prefills (resumed requests especially) start only when they can finish, rather than filling the
+        pool with half-computed requests that then preempt each other."""
+        need = _cdiv(req.num_tokens, self.block_size) - len(req.block_ids)
+        evictable = self.cache.num_evictable_blocks if self.cache else 0
+        return need <= self.block_manager.num_free + evictable
 
     def _lookup_prefix(self, req: Request) -> RadixNode | None:
         """Takes the cached prefix of all but the last token: references its blocks and locks its node."""
@@ -373,9 +394,12 @@ class Scheduler:
     def _allocate(self, req: Request, n: int, cow_pairs: list[tuple[int, int]]) -> bool:
         """Makes req's blocks cover positions < num_computed_tokens + n and private where written.
 
-        Evicts from the prefix cache when the free queue is short. Takes nothing when it returns False."""
+        Evicts from the prefix cache when the free queue is short. Returns False, taking no blocks, when even the
+        evictable cache cannot cover the shortfall (or, rarely, when evicted blocks turned out to be shared)."""
         bm, bs = self.block_manager, self.block_size
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        if n == 1 and start // bs < len(req.block_ids) and bm.refcount(req.block_ids[start // bs]) == 1:
+            return True  # Decode fast path: the token goes into a private block already held.
         num_new = max(0, _cdiv(end, bs) - len(req.block_ids))
         written = range(start // bs, min(len(req.block_ids), _cdiv(end, bs)))
         shared = [i for i in written if bm.refcount(req.block_ids[i]) > 1]
@@ -437,8 +461,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------ update
 
+    def reserve_lookahead(self, requests: Sequence[Request], num_tokens: int,
+                          cow_pairs: list[tuple[int, int]]) -> bool:
+        """Extends scheduled requests' blocks by `num_tokens` positions past this step, for multi-step decode
+        (the engine computes several tokens per row before the next `schedule`). Call between `schedule` and
+        `update`. Blocks taken stay with their request either way; False means some row could not be covered
+        without preempting, and the engine should run a single step."""
+        return all(self._allocate(req, 1 + num_tokens, cow_pairs) for req in requests)
+
     def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]],
-               logprobs: Mapping[str, Sequence[Any]] | None = None) -> list[Request]:
+               logprobs: Mapping[str, Sequence[Any]] | None = None,
+               computed: Mapping[str, int] | None = None) -> list[Request]:
         """Applies a computed step.
 
         Args:
@@ -446,6 +479,8 @@ class Scheduler:
             sampled: request_id -> tokens sampled for it (one normally, several with speculative decoding); every
                 row with `sample` set needs at least one. Tokens after one that stops the request are dropped.
             logprobs: optional request_id -> one entry per sampled token, appended to output_logprobs.
+            computed: optional request_id -> positions whose KV this step wrote, when more than the scheduled
+                tokens (multi-step decode writes one position per sampled token).
 
         Returns:
             Requests finished by a token-level stop condition this step.
@@ -460,7 +495,7 @@ class Scheduler:
                 raise ValueError(f"request {req.request_id!r} was sampled this step but got no token")
             if tokens and not sr.sample:
                 raise ValueError(f"request {req.request_id!r} got tokens for a non-final prefill chunk")
-            req.num_computed_tokens = sr.start_pos + len(sr.token_ids)
+            req.num_computed_tokens = sr.start_pos + (computed or {}).get(req.request_id, len(sr.token_ids))
             entries = logprobs.get(req.request_id) if logprobs else None
             reason = None
             for j, token in enumerate(tokens):
