@@ -1,0 +1,328 @@
+"""LLMEngine: continuous batching over the paged KV cache.
+
+    add_request(prompt ids, SamplingParams) ---> Scheduler (host, pure Python)
+    step():  schedule -> prepare + run (ModelRunner, jitted, KV donated) -> sample (device) -> update -> outputs
+
+When every scheduled row is a plain decode row and no request needs the host between tokens (nothing waiting,
+no stop strings, penalties or top logprobs), `step` runs `decode_steps` decode iterations inside one jitted loop
+and applies them to the scheduler at once.
+
+Generation is single-threaded: callers (LLM.generate, the server's loop) own the thread that calls `step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from model.sampling import SamplingTensors
+from serving.request import Request, RequestOutput, SamplingParams
+from serving.runner import ModelRunner, RowInput, pad_sampling, sample_rows, size_kv_pool
+from serving.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine options (also accepted by `LLM(...)` as keyword arguments)."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_memory_fraction: float = 0.85
+    attention_backend: str | None = None
+    decode_steps: int = 8
+    policy: str = "fcfs"
+    warmup: bool = False
+
+    def __post_init__(self):
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+
+
+@dataclasses.dataclass
+class _Track:
+    """Engine-side state of one request: text, stop strings, timing."""
+
+    request: Request
+    prompt: str | None
+    detok: object
+    text: str = ""
+    emitted: int = 0  # characters of text already streamed
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Args:
+      model: the Flax NNX decoder.
+      tokenizer: checkpoints.tokenizer.Tokenizer (detokenisation, stop strings).
+      max_model_len: longest prompt + output.
+      **options: EngineConfig fields.
+    """
+
+    def __init__(self, model, tokenizer, *, max_model_len: int, **options):
+        self.config = EngineConfig(**options)
+        c = self.config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(model.cfg.eos_token_ids)
+        self.max_model_len = max_model_len
+        default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
+        num_blocks = c.num_kv_blocks or size_kv_pool(model, c.block_size, model.dtype, c.kv_cache_memory_fraction,
+                                                     default_blocks)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=c.block_size,
+                                  max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                                  max_model_len=max_model_len, attention_backend=c.attention_backend)
+        self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+                                   max_model_len, enable_prefix_caching=c.enable_prefix_caching, policy=c.policy)
+        self._tracks: dict[str, _Track] = {}
+        self._finished: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(0)
+        self.num_steps = 0
+        self.num_decode_loops = 0
+        if c.warmup:
+            self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else ())
+
+    # Requests ------------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None, priority: int = 0) -> str:
+        """Queues a request; raises ValueError (with the reason) if it can never be served."""
+        params.validate()
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._rng.getrandbits(31))
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, priority=priority)
+        self.scheduler.add_request(req)
+        self._tracks[rid] = _Track(req, prompt, self.tokenizer.detokenizer())
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request (any state) and frees its KV blocks."""
+        if self.scheduler.abort(request_id) is not None:
+            self._tracks.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # The step ------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, sample, update the scheduler, and report per-request deltas."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.runner.copy_blocks(out.cow_pairs)
+        num_loop = self._decode_loop_length(out)
+        computed = None
+        if num_loop > 1:
+            sampled, logprobs = self._run_decode_loop(out, num_loop)
+            computed = {rid: len(toks) for rid, toks in sampled.items()}
+        else:
+            sampled, logprobs = self._run_step(out)
+        finished = self.scheduler.update(out, sampled, logprobs, computed)
+        self.num_steps += 1
+        return self._postprocess(out, sampled, finished)
+
+    def _rows(self, out: SchedulerOutput) -> list[RowInput]:
+        return [RowInput(sr.token_ids, sr.start_pos, sr.block_table) for sr in out.scheduled]
+
+    def _run_step(self, out: SchedulerOutput):
+        logits = self.runner.forward(self._rows(out))
+        rows = [sr for sr in out.scheduled if sr.sample]
+        if not rows:
+            return {}, None
+        index = [i for i, sr in enumerate(out.scheduled) if sr.sample]
+        reqs = [sr.request for sr in rows]
+        logits = logits[np.asarray(index)] if len(index) != logits.shape[0] else logits
+        tok, lp, top_ids, top_lp = self._sample(logits, reqs)
+        want = any(r.sampling_params.logprobs is not None for r in reqs)
+        sampled = {r.request_id: [int(tok[i])] for i, r in enumerate(reqs)}
+        logprobs = None
+        if want:
+            logprobs = {r.request_id: [_logprob_entry(r, tok[i], lp[i], top_ids[i], top_lp[i])]
+                        for i, r in enumerate(reqs)}
+        return sampled, logprobs
+
+    def _sample(self, logits, reqs: list[Request]):
+        n = len(reqs)
+        s = self.runner.decode_buckets[-1] if n > self.runner.decode_buckets[-1] else next(
+            b for b in self.runner.decode_buckets if b >= n)
+        logits = logits[:s] if logits.shape[0] >= s else jax.numpy.pad(logits, ((0, s - logits.shape[0]), (0, 0)))
+        st = pad_sampling(_sampling_tensors(reqs), s)
+        penalties = any(_has_penalties(r.sampling_params) for r in reqs)
+        out_ids = _pad_ids([r.output_token_ids for r in reqs], s) if penalties else None
+        prompt_ids = _pad_ids([r.prompt_token_ids for r in reqs], s) if penalties else None
+        banned = _banned(reqs, s)
+        num_lp = max((r.sampling_params.logprobs or 0) for r in reqs)
+        num_lp = 0 if num_lp == 0 else (5 if num_lp <= 5 else 20)
+        result = sample_rows(logits, st, out_ids, prompt_ids, banned, num_logprobs=num_lp)
+        return [np.asarray(a)[:n] for a in result]
+
+    def _decode_loop_length(self, out: SchedulerOutput) -> int:
+        """How many decode steps can run on device before the host must look again (1 = a normal step)."""
+        k = self.config.decode_steps
+        if k <= 1 or self.scheduler.num_waiting or len(out.scheduled) > self.runner.decode_buckets[-1]:
+            return 1
+        for sr in out.scheduled:
+            p, req = sr.request.sampling_params, sr.request
+            if (len(sr.token_ids) != 1 or not sr.sample or p.stop or _has_penalties(p) or p.logprobs is not None
+                    or req.num_output_tokens < p.min_tokens):
+                return 1
+            k = min(k, p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        if k <= 1:
+            return 1
+        cow: list[tuple[int, int]] = []
+        ok = self.scheduler.reserve_lookahead([sr.request for sr in out.scheduled], k - 1, cow)
+        self.runner.copy_blocks(cow)
+        return k if ok else 1
+
+    def _run_decode_loop(self, out: SchedulerOutput, k: int):
+        reqs = [sr.request for sr in out.scheduled]
+        rows = [RowInput(sr.token_ids, sr.start_pos, list(sr.request.block_ids)) for sr in out.scheduled]
+        banned = np.full((k, len(reqs), 1), -1, np.int32)
+        tokens, _ = self.runner.decode_loop(rows, k, _sampling_tensors(reqs), banned)
+        self.num_decode_loops += 1
+        return {r.request_id: [int(t) for t in tokens[:, i]] for i, r in enumerate(reqs)}, None
+
+    # Outputs -------------------------------------------------------------------------------------------------
+
+    def _postprocess(self, out: SchedulerOutput, sampled: dict, finished: list[Request]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        done = {r.request_id for r in finished}
+        results = []
+        for sr in out.scheduled:
+            rid = sr.request_id
+            track = self._tracks.get(rid)
+            if track is None or rid not in sampled:
+                continue
+            req = track.request
+            n_new = len(req.output_token_ids) - len(track.detok.ids)
+            new_ids = req.output_token_ids[len(track.detok.ids):]
+            if track.first_token_time is None:
+                track.first_token_time = now
+            track.text += track.detok.add([t for t in new_ids if not self._is_stop_token(req, t)])
+            reason = req.finish_reason if rid in done else None
+            stop_at = _find_stop(track.text, req.sampling_params.stop)
+            if reason is None and stop_at is not None:
+                self.scheduler.finish(rid, "stop")
+                reason = "stop"
+            if stop_at is not None:
+                track.text = track.text[:stop_at]
+            finished_now = reason is not None
+            if finished_now and stop_at is None:
+                track.text += track.detok.flush()
+            hold = 0 if finished_now else max((len(s) - 1 for s in req.sampling_params.stop), default=0)
+            visible = len(track.text) - hold
+            delta = track.text[track.emitted:visible] if visible > track.emitted else ""
+            track.emitted = max(track.emitted, visible)
+            lps = req.output_logprobs[-n_new:] if req.sampling_params.logprobs is not None and n_new else None
+            results.append(RequestOutput(rid, new_ids, finished_now, reason, delta, lps))
+            if finished_now:
+                track.finish_time = now
+                self._finished[rid] = self._tracks.pop(rid)
+        return results
+
+    def _is_stop_token(self, req: Request, token: int) -> bool:
+        p = req.sampling_params
+        return token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)
+
+    def pop_finished(self, request_id: str) -> _Track | None:
+        return self._finished.pop(request_id, None)
+
+    # Convenience ---------------------------------------------------------------------------------------------
+
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+               prompt: str | None = None) -> Iterator[RequestOutput]:
+        """Runs the engine until this request finishes, yielding its outputs (other requests progress too)."""
+        rid = self.add_request(prompt_token_ids, params, prompt=prompt)
+        while True:
+            for o in self.step():
+                if o.request_id == rid:
+                    yield o
+                    if o.finished:
+                        return
+
+    def generate(self, texts: Sequence[str | None], prompts: Sequence[Sequence[int]], **sampling) -> list:
+        """Generates for every prompt together; returns serving.llm.CompletionOutput objects in order."""
+        from serving.llm import CompletionOutput
+
+        base = dict(sampling)
+        seed = base.pop("seed", None)
+        for key in ("stop", "stop_token_ids"):
+            if key in base:
+                base[key] = (base[key],) if isinstance(base[key], str) else tuple(base[key] or ())
+        rids = []
+        for i, ids in enumerate(prompts):
+            params = SamplingParams(**base, seed=None if seed is None else seed + i)
+            rids.append(self.add_request(ids, params, prompt=texts[i]))
+        t0 = time.perf_counter()
+        while any(rid in self._tracks for rid in rids):
+            self.step()
+        results = []
+        for text, ids, rid in zip(texts, prompts, rids):
+            track = self.pop_finished(rid)
+            req = track.request
+            gen = list(req.output_token_ids)
+            metrics = {"ttft_s": (track.first_token_time or t0) - t0, "e2e_s": track.finish_time - t0}
+            decode_time = track.finish_time - (track.first_token_time or track.finish_time)
+            if len(gen) > 1 and decode_time > 0:
+                metrics["decode_tokens_per_s"] = (len(gen) - 1) / decode_time
+            lps = [e[0] if isinstance(e, tuple) else e for e in req.output_logprobs] or None
+            results.append(CompletionOutput(text, list(ids), track.text, gen, req.finish_reason, lps, metrics))
+        return results
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _sampling_tensors(reqs: Sequence[Request]) -> SamplingTensors:
+    rows = []
+    for r in reqs:
+        p = r.sampling_params
+        rows.append(dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                         frequency_penalty=p.frequency_penalty, seed=p.seed % (2 ** 32), step=r.num_output_tokens))
+    return SamplingTensors.from_rows(rows)
+
+
+def _pad_ids(lists: Sequence[Sequence[int]], s: int) -> np.ndarray:
+    width = 1 << max(4, (max((len(x) for x in lists), default=1) - 1).bit_length())
+    out = np.full((s, width), -1, np.int32)
+    for i, ids in enumerate(lists):
+        out[i, :len(ids)] = ids
+    return out
+
+
+def _banned(reqs: Sequence[Request], s: int) -> np.ndarray:
+    """EOS and stop ids are banned for rows that have not reached min_tokens."""
+    out = np.full((s, 8), -1, np.int32)
+    for i, r in enumerate(reqs):
+        p = r.sampling_params
+        if r.num_output_tokens < p.min_tokens:
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+            out[i, :min(8, len(ids))] = ids[:8]
+    return out
+
+
+def _logprob_entry(req: Request, token, lp, top_ids, top_lp):
+    n = req.sampling_params.logprobs or 0
+    return (float(lp), [(int(i), float(v)) for i, v in zip(top_ids[:n], top_lp[:n])])
