@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend as backend_lib
+from pallas_kernels import flash_attention_mgpu
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -94,6 +95,7 @@ class _Static:
     has_segments: bool
     blocks: BlockSizes
     interpret: bool
+    static_q_offset: int | None = None  # set only for the Mosaic GPU forward, which specialises on it
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -440,9 +442,7 @@ def _dkv_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st: _Static):
 
 def _forward(q, k, v, q_off, q_seg, k_seg, st: _Static, fwd_impl: str):
     if fwd_impl == "mosaic_gpu":
-        from pallas_kernels import flash_attention_mgpu  # Hopper-only module, imported on demand
-
-        return flash_attention_mgpu.forward(q, k, v, q_off, st)
+        return flash_attention_mgpu.forward(q, k, v, st)
     return _fwd_call(q, k, v, q_off, q_seg, k_seg, st)
 
 
@@ -500,27 +500,32 @@ def _pad_axis(x, axis: int, size: int):
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "sliding_window", "logits_soft_cap",
-                                             "return_lse", "backend", "block_sizes"))
+                                             "return_lse", "backend", "block_sizes", "static_q_offset"))
 def _flash_attention_pallas(q, k, v, q_offset, q_seg, k_seg, *, causal, sm_scale, sliding_window,
-                            logits_soft_cap, return_lse, backend, block_sizes):
+                            logits_soft_cap, return_lse, backend, block_sizes, static_q_offset):
     _, q_len, _, head_dim = q.shape
     kv_len = k.shape[1]
     blocks = _fit_blocks(block_sizes, q_len, kv_len)
-    tq_pad = -(-q_len // max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)) * max(
-        blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
-    tk_pad = -(-kv_len // max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)) * max(
-        blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
-    d_pad = max(16, _next_pow2(head_dim))  # zero columns change no dot product; Triton wants powers of two
     st = _Static(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window,
                  logits_soft_cap=logits_soft_cap, q_len=q_len, kv_len=kv_len, has_segments=q_seg is not None,
-                 blocks=blocks, interpret=backend == "interpret")
+                 blocks=blocks, interpret=backend == "interpret",
+                 static_q_offset=static_q_offset if causal else 0)
+    use_mgpu = backend == "mosaic_gpu" and flash_attention_mgpu.supports(q.dtype, head_dim, st)
+    # Pad lengths to a multiple of every tile that will walk them (all powers of two, so the max suffices).
+    q_multiple = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
+    k_multiple = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
+    if use_mgpu:
+        mgpu_q, mgpu_k = flash_attention_mgpu.tile_multiples(head_dim)
+        q_multiple, k_multiple = max(q_multiple, mgpu_q), max(k_multiple, mgpu_k)
+    tq_pad = -(-q_len // q_multiple) * q_multiple
+    tk_pad = -(-kv_len // k_multiple) * k_multiple
+    d_pad = max(16, _next_pow2(head_dim))  # zero columns change no dot product; Triton wants powers of two
     q_p = _pad_axis(_pad_axis(q, 1, tq_pad), 3, d_pad)  # [B, Tq_pad, Hq, D_pad]
     k_p = _pad_axis(_pad_axis(k, 1, tk_pad), 3, d_pad)  # [B, Tk_pad, Hkv, D_pad]
     v_p = _pad_axis(_pad_axis(v, 1, tk_pad), 3, d_pad)
     q_off = jnp.asarray(q_offset, jnp.int32).reshape(1)
-    fwd_impl = "mosaic_gpu" if backend == "mosaic_gpu" else "triton"
     o, lse = _flash_core(q_p, k_p, v_p, q_off, _pad_axis(q_seg, 1, tq_pad), _pad_axis(k_seg, 1, tk_pad),
-                         st, fwd_impl)
+                         st, "mosaic_gpu" if use_mgpu else "triton")
     o = o[:, :q_len, :, :head_dim]  # [B, Tq, Hq, D]
     if return_lse:
         return o, lse[:, :, :q_len]  # [B, Hq, Tq] fp32, natural log
@@ -616,7 +621,10 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_
     if backend_name == "xla" or q.shape[1] == 0 or k.shape[1] == 0:
         seg = None if q_seg is None else (q_seg, k_seg)
         return reference(q, k, v, segment_ids=seg, **options)
+    # The Mosaic GPU forward specialises on a Python-int q_offset; a traced one takes the Triton kernel.
+    static_q_offset = q_offset if backend_name == "mosaic_gpu" and isinstance(q_offset, int) else None
     return _flash_attention_pallas(q, k, v, q_offset, q_seg, k_seg, backend=backend_name,
+                                   static_q_offset=static_q_offset,
                                    block_sizes=block_sizes or BlockSizes.for_head_dim(q.shape[-1]),
                                    **{key: val for key, val in options.items() if key != "q_offset"})
 
