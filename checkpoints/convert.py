@@ -62,8 +62,12 @@ def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False) ->
     Raises:
         FileNotFoundError, FileExistsError, ValueError: bad source or destination (messages name the path).
     """
-    if os.path.exists(dst) and not overwrite and (not os.path.isdir(dst) or os.listdir(dst)):
-        raise FileExistsError(f"{dst} already exists (pass --overwrite to replace it)")
+    # Checked before loading, which can take minutes; orbax_io.save enforces the same rules.
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        if not overwrite:
+            raise FileExistsError(f"{dst} already exists (pass --overwrite to replace it)")
+        if not orbax_io.is_orbax_dir(dst):
+            raise FileExistsError(f"{dst} exists and is not an Orbax checkpoint; refusing to overwrite it")
     cast = None if dtype == "auto" else jnp.dtype(dtype)
     config, params, tokenizer = _load(src, cast)
     if cast is not None:

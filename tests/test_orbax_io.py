@@ -181,6 +181,8 @@ def test_convert_hf_checkpoint(tmp_path):
     assert proc.returncode == 1 and "--overwrite" in proc.stderr
     assert run_convert("--src", src, "--dst", dst, "--overwrite", "--dtype", "bfloat16").returncode == 0
     assert orbax_io.restore(dst)[1]["embed"].dtype == ml_dtypes.bfloat16
+    proc = run_convert("--src", src, "--dst", src, "--overwrite")  # Never deletes a non-Orbax directory.
+    assert proc.returncode == 1 and "refusing" in proc.stderr and os.path.isfile(os.path.join(src, "config.json"))
 
 
 @pytest.mark.parametrize("args, code, message", [
