@@ -372,6 +372,42 @@ def test_fork_shares_prompt_blocks_and_copies_on_write():
         s.fork("p", req("d", 5))
 
 
+def test_allocation_evicts_least_recently_used_cache_blocks_only_as_needed():
+    s = make(num_blocks=9, caching=True)  # 8 usable blocks.
+    for rid, base in (("old", 100), ("new", 300)):
+        s.add_request(req(rid, list(range(base, base + 16)), max_tokens=1))
+        step(s)
+    assert s.block_manager.num_free == 0 and s.cache.num_cached_blocks == 8  # Blocks 1-4 old, 5-8 new.
+    s.add_request(req("x", list(range(500, 509)), max_tokens=1))  # Needs 3 blocks.
+    out, _ = step(s)
+    # The three tail blocks of the least recently used sequence go; its first block stays cached.
+    assert by_id(out)["x"].block_table == [2, 3, 4]
+    # x finished at once: its two full blocks are cached now, its partial block 4 is free.
+    assert sorted(s.cache.cached_block_ids()) == [1, 2, 3, 5, 6, 7, 8] and s.block_manager.num_free == 1
+    assert s.cache.match_prefix(list(range(100, 116))).block_ids == [1]
+    assert s.cache.match_prefix(list(range(300, 316))).block_ids == [5, 6, 7, 8]
+
+
+def test_sampling_params_validation():
+    assert SamplingParams().validate() == SamplingParams()
+    bad = [dict(max_tokens=0), dict(max_tokens=-1), dict(temperature=-0.5), dict(temperature=float("nan")),
+           dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0), dict(repetition_penalty=0.0),
+           dict(presence_penalty=3.0), dict(frequency_penalty=-2.5), dict(seed=1.5), dict(stop=["x"]),
+           dict(stop=("",)), dict(stop_token_ids=(-1,)), dict(min_tokens=20), dict(logprobs=-1), dict(n=0)]
+    for kwargs in bad:
+        (name,) = kwargs
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs).validate()
+
+
+def test_request_token_bookkeeping():
+    r = Request("r", [1, 2, 3])
+    assert r.num_tokens == 3 and r.num_prompt_tokens == 3 and r.status is RequestStatus.WAITING
+    r.append_output(9, logprob=-1.0)
+    assert r.all_token_ids == [1, 2, 3, 9] and r.output_token_ids == [9] and r.output_logprobs == [-1.0]
+    assert r.num_tokens == 4 and r.num_output_tokens == 1 and r.prompt_token_ids == (1, 2, 3)
+
+
 def _random_prompt(rng, prefixes):
     prefix = rng.choice(prefixes)
     return prefix[:rng.randint(0, len(prefix))] + [rng.randint(3, 40) for _ in range(rng.randint(1, 14))]
