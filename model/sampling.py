@@ -76,10 +76,13 @@ def filter_logits(logits_bv: jax.Array, st: SamplingTensors) -> jax.Array:
     v = logits.shape[-1]
     k = jnp.where((st.top_k > 0) & (st.top_k < v), st.top_k, v)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-    # top-p: keep the smallest prefix whose mass reaches p (the token crossing p is kept).
+    # top-p acts on the distribution left by top-k, renormalised (the HF warper order and vLLM's top_k_top_p).
+    in_top_k = jnp.arange(v)[None, :] < k[:, None]
+    probs_sorted = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, NEG_INF), axis=-1)
+    # top-p: keep the smallest prefix whose mass reaches p (the token crossing p is kept); p = 1 keeps all, even
+    # where the float32 cumsum reaches 1 early.
     mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    keep_sorted = mass_before < st.top_p[:, None]
+    keep_sorted = (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
     n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
     pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth, pth)
