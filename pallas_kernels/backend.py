@@ -23,7 +23,11 @@ BACKENDS = ("mosaic_gpu", "triton", "interpret", "xla")
 
 # Measured on an H200 (benchmarks/kernels_*.py); kernels not listed fall back to "triton" on Hopper.
 # A kernel only appears here once its Mosaic GPU path beat the Triton one in the same benchmark run.
-HOPPER_CHOICE: dict[str, str] = {}
+HOPPER_CHOICE: dict[str, str] = {
+    # H200, benchmarks/results/flash_*.json: bf16 D=128 forward 571-622 TFLOP/s vs Triton 372-446. Calls the
+    # Hopper kernel cannot take (fp32, segments, windows, soft caps, traced q_offset) run the Triton kernel.
+    "flash_attention": "mosaic_gpu",
+}
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,170 +36,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import flash_attention_mgpu
+from pallas_kernels import flash_attention_bwd, flash_attention_mgpu
+from pallas_kernels.flash_attention_common import (LN2, BlockSizes, KernelStatic, apply_mask, dot, kv_block_range,
+                                                   scaled_logits, three_loops, visible)
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+__all__ = ["BlockSizes", "flash_attention", "reference"]
 _SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes and launch parameters of the Triton kernels (a static, hashable argument).
-
-    Attributes:
-        block_q / block_k: forward tiles along queries and keys.
-        block_q_dq / block_k_dq: tiles of the dq kernel.
-        block_q_dkv / block_k_dkv: tiles of the dk/dv kernel.
-        num_warps / num_stages: forward launch parameters; *_bwd for both backward kernels.
-    """
-
-    block_q: int = 128
-    block_k: int = 64
-    block_q_dq: int = 64
-    block_k_dq: int = 64
-    block_q_dkv: int = 64
-    block_k_dkv: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    num_warps_bwd: int = 4
-    num_stages_bwd: int = 2
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"BlockSizes.{field.name} must be a positive int, got {value!r}")
-            if field.name.startswith("block_") and (value < 16 or value & (value - 1)):
-                raise ValueError(f"BlockSizes.{field.name} must be a power of two >= 16, got {value}")
-
-    @classmethod
-    def for_head_dim(cls, head_dim: int) -> "BlockSizes":
-        """Defaults that fit registers/SMEM for `head_dim` (measured on an H200, benchmarks/kernels_flash.py)."""
-        if head_dim > 128:
-            return cls(block_q=64, block_k=64, num_warps=4, num_stages=2,
-                       block_q_dq=32, block_k_dq=64, block_q_dkv=32, block_k_dkv=64)
-        return cls()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the kernels specialise on (hashable: a custom_vjp nondiff argument)."""
-
-    causal: bool
-    sm_scale: float
-    sliding_window: int | None
-    logits_soft_cap: float | None
-    q_len: int  # unpadded Tq
-    kv_len: int  # unpadded Tk
-    has_segments: bool
-    blocks: BlockSizes
-    interpret: bool
-    static_q_offset: int | None = None  # set only for the Mosaic GPU forward, which specialises on it
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Shared tile helpers (traced inside kernels).
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _scaled_logits(s, st: _Static):
-    """Raw q.k [.., ..] fp32 -> logits in the log2 domain (scaled, soft-capped)."""
-    if st.logits_soft_cap is None:
-        return s * (st.sm_scale * LOG2E)
-    cap = st.logits_soft_cap
-    return jnp.tanh(s * (st.sm_scale / cap)) * (cap * LOG2E)
-
-
-def _soft_cap_grad(s2, st: _Static):
-    """d capped / d uncapped, from the capped log2-domain logits s2: 1 - tanh^2."""
-    t = s2 * (1.0 / (st.logits_soft_cap * LOG2E))
-    return 1.0 - t * t
-
-
-def _visible(qpos, kpos, qseg, kseg, st: _Static, check_kv_len: bool):
-    """Broadcasting mask: may query position `qpos` see key position `kpos`?"""
-    mask = None
-
-    def both(a, b):
-        return b if a is None else jnp.logical_and(a, b)
-
-    if check_kv_len:
-        mask = both(mask, kpos < st.kv_len)
-    if st.causal:
-        mask = both(mask, kpos <= qpos)
-    if st.sliding_window is not None:
-        mask = both(mask, kpos > qpos - st.sliding_window)
-    if st.has_segments:
-        mask = both(mask, qseg == kseg)
-    return mask
-
-
-def _apply_mask(s, mask):
-    return s if mask is None else jnp.where(mask, s, -jnp.inf)
-
-
-def _kv_block_range(q_first, q_last, num_kv_blocks: int, bk: int, st: _Static):
-    """KV blocks for the query positions [q_first, q_last]: (lo, full_lo, full_hi, hi).
-
-    Blocks [lo, hi) hold every key some query can see; [full_lo, full_hi) need no mask at all.
-    """
-    if st.causal:
-        hi = jnp.minimum(num_kv_blocks, q_last // bk + 1)
-        full_hi = (q_first + 1) // bk
-    else:
-        hi = jnp.int32(num_kv_blocks)
-        full_hi = jnp.int32(num_kv_blocks)
-    full_hi = jnp.minimum(full_hi, st.kv_len // bk)
-    if st.sliding_window is not None:
-        w = st.sliding_window
-        lo = jnp.maximum(q_first - w + 1, 0) // bk
-        full_lo = (jnp.maximum(q_last - w + 1, 0) + bk - 1) // bk
-    else:
-        lo = jnp.int32(0)
-        full_lo = jnp.int32(0)
-    if st.has_segments:
-        full_hi = full_lo  # every block needs the segment mask
-    full_lo = jnp.clip(full_lo, lo, hi)
-    full_hi = jnp.clip(full_hi, full_lo, hi)
-    return lo, full_lo, full_hi, hi
-
-
-def _q_block_range(k_first, k_last, q_off, num_q_blocks: int, bq: int, st: _Static):
-    """Query blocks that see keys [k_first, k_last]: (lo, full_lo, full_hi, hi); inverse of _kv_block_range."""
-    if st.causal:  # query i (position q_off + i) sees key j iff q_off + i >= j
-        lo = jnp.maximum(k_first - q_off, 0) // bq
-        full_lo = (jnp.maximum(k_last - q_off, 0) + bq - 1) // bq
-    else:
-        lo = jnp.int32(0)
-        full_lo = jnp.int32(0)
-    if st.sliding_window is not None:  # and iff q_off + i <= j + w - 1
-        last_q = k_last + st.sliding_window - 1 - q_off
-        hi = jnp.where(last_q >= 0, jnp.minimum(num_q_blocks, last_q // bq + 1), 0)
-        full_last = k_first + st.sliding_window - bq - q_off
-        full_hi = jnp.where(full_last >= 0, full_last // bq + 1, 0)
-    else:
-        hi = jnp.int32(num_q_blocks)
-        full_hi = jnp.int32(num_q_blocks)
-    if st.has_segments:
-        full_hi = full_lo
-    full_lo = jnp.clip(full_lo, lo, hi)
-    full_hi = jnp.clip(full_hi, full_lo, hi)
-    return lo, full_lo, full_hi, hi
-
-
-def _three_loops(bounds, body, carry):
-    """Runs body(i, carry, masked) over [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
-    lo, full_lo, full_hi, hi = bounds
-    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-    return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
-
-
-def _dot(a, b, trans_b=False):
-    # fp32 inputs get IEEE products (Triton's default for fp32 is TF32, ~3e-4 relative error).
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 and b.dtype == jnp.float32 else None
-    return pltriton.dot(a, b, trans_b=trans_b, precision=precision)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -207,7 +49,7 @@ def _dot(a, b, trans_b=False):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(qoff_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, st: _Static,
+def _fwd_kernel(qoff_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, st: KernelStatic,
                 bq: int, bk: int, num_q_blocks: int):
     # qoff_ref: [1] int32            q_ref: [bq, D]          k_ref, v_ref: [Tk_pad, D]
     # qseg_ref: [bq] int32 | None    kseg_ref: [Tk_pad] int32 | None
@@ -227,11 +69,11 @@ def _fwd_kernel(qoff_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_re
     def body(kb, carry, masked):
         acc, m, l = carry  # [bq, D] f32, [bq] f32, [bq] f32
         kv_slice = pl.ds(kb * bk, bk)
-        s = _scaled_logits(_dot(q, k_ref[kv_slice, :], trans_b=True), st)  # [bq, bk]
+        s = scaled_logits(dot(q, k_ref[kv_slice, :], trans_b=True), st)  # [bq, bk]
         if masked:
             kpos = kb * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
             kseg = kseg_ref[kv_slice][None, :] if st.has_segments else None
-            s = _apply_mask(s, _visible(qpos, kpos, qseg, kseg, st, check_kv_len))
+            s = apply_mask(s, visible(qpos, kpos, qseg, kseg, st, check_kv_len))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         if masked:  # a row with nothing visible yet keeps m = -inf; subtract 0 instead of -inf
             m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -241,19 +83,19 @@ def _fwd_kernel(qoff_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_re
         p = jnp.exp2(s - m_new_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         v = v_ref[kv_slice, :]
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
     carry = (jnp.zeros((bq, head_dim), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    bounds = _kv_block_range(q_first, q_last, k_ref.shape[0] // bk, bk, st)
-    acc, m, l = _three_loops(bounds, body, carry)
+    bounds = kv_block_range(q_first, q_last, k_ref.shape[0] // bk, bk, st)
+    acc, m, l = three_loops(bounds, body, carry)
     empty = l == 0.0
     o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * LN2)
 
 
-def _fwd_call(q, k, v, q_off, q_seg, k_seg, st: _Static):
+def _fwd_call(q, k, v, q_off, q_seg, k_seg, st: KernelStatic):
     """Builds and runs the forward pallas_call on padded inputs.
 
     q: [B, Tq_pad, Hq, D]; k, v: [B, Tk_pad, Hkv, D]; q_off: [1] int32; q_seg: [B, Tq_pad] | None;
@@ -297,166 +139,27 @@ def _fwd_call(q, k, v, q_off, q_seg, k_seg, st: _Static):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Backward kernels: p is recomputed from the saved lse; ds = p * (dp - delta), delta = rowsum(o * do) - dlse.
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _dq_kernel(qoff_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref, *,
-               st: _Static, bq: int, bk: int):
-    # qoff_ref: [1] int32    q_ref, do_ref: [bq, D]    k_ref, v_ref: [Tk_pad, D]
-    # lse_ref, delta_ref: [bq] f32 (lse is +inf for rows that see nothing, so their p is 0)
-    # qseg_ref: [bq] | None  kseg_ref: [Tk_pad] | None    dq_ref: [bq, D]
-    qi = pl.program_id(0)
-    q_off = qoff_ref[0]
-    q, do = q_ref[...], do_ref[...]
-    lse2 = lse_ref[...] * LOG2E
-    delta = delta_ref[...]
-    q_first = q_off + qi * bq
-    q_last = q_off + jnp.minimum(qi * bq + bq, st.q_len) - 1
-    qpos = q_first + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    qseg = qseg_ref[...][:, None] if st.has_segments else None
-    check_kv_len = st.kv_len % bk != 0
-
-    def body(kb, dq, masked):  # dq: [bq, D] f32
-        kv_slice = pl.ds(kb * bk, bk)
-        k = k_ref[kv_slice, :]
-        s = _scaled_logits(_dot(q, k, trans_b=True), st)  # [bq, bk]
-        cap_grad = None if st.logits_soft_cap is None else _soft_cap_grad(s, st)
-        if masked:
-            kpos = kb * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-            kseg = kseg_ref[kv_slice][None, :] if st.has_segments else None
-            s = _apply_mask(s, _visible(qpos, kpos, qseg, kseg, st, check_kv_len))
-        p = jnp.exp2(s - lse2[:, None])
-        dp = _dot(do, v_ref[kv_slice, :], trans_b=True)  # [bq, bk]
-        ds = p * (dp - delta[:, None])
-        if cap_grad is not None:
-            ds = ds * cap_grad
-        return dq + _dot(ds.astype(k.dtype), k)
-
-    bounds = _kv_block_range(q_first, q_last, k_ref.shape[0] // bk, bk, st)
-    dq = _three_loops(bounds, body, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * st.sm_scale).astype(dq_ref.dtype)
-
-
-def _dkv_kernel(qoff_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref,
-                *, st: _Static, bq: int, bk: int, group: int):
-    # qoff_ref: [1] int32    q_ref, do_ref: [Tq_pad, G, D] (the G query heads sharing this kv head)
-    # k_ref, v_ref: [bk, D]  lse_ref, delta_ref: [G, Tq_pad] f32
-    # qseg_ref: [Tq_pad] | None   kseg_ref: [bk] | None   dk_ref, dv_ref: [bk, D]
-    # Works on transposed tiles ([bk, bq]) so every product is a plain or B-transposed dot.
-    kb = pl.program_id(0)
-    q_off = qoff_ref[0]
-    k, v = k_ref[...], v_ref[...]
-    k_first = kb * bk
-    k_last = jnp.minimum(k_first + bk, st.kv_len) - 1
-    kpos = k_first + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
-    kseg = kseg_ref[...][:, None] if st.has_segments else None
-    bounds = _q_block_range(k_first, k_last, q_off, q_ref.shape[0] // bq, bq, st)
-
-    def body(qb, carry, masked, g):
-        dk, dv = carry  # [bk, D] f32 each
-        q_slice = pl.ds(qb * bq, bq)
-        q, do = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
-        s_t = _scaled_logits(_dot(k, q, trans_b=True), st)  # [bk, bq]
-        cap_grad = None if st.logits_soft_cap is None else _soft_cap_grad(s_t, st)
-        if masked:
-            qpos = q_off + qb * bq + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
-            qseg = qseg_ref[q_slice][None, :] if st.has_segments else None
-            s_t = _apply_mask(s_t, _visible(qpos, kpos, qseg, kseg, st, False))
-        p_t = jnp.exp2(s_t - lse_ref[g, q_slice][None, :] * LOG2E)
-        dv = dv + _dot(p_t.astype(do.dtype), do)
-        dp_t = _dot(v, do, trans_b=True)  # [bk, bq]
-        ds_t = p_t * (dp_t - delta_ref[g, q_slice][None, :])
-        if cap_grad is not None:
-            ds_t = ds_t * cap_grad
-        return dk + _dot(ds_t.astype(q.dtype), q), dv
-
-    def head(g, carry):
-        return _three_loops(bounds, functools.partial(body, g=g), carry)
-
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-    dk_ref[...] = (dk * st.sm_scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-
-
-def _bwd_params(st: _Static):
-    return pltriton.CompilerParams(num_warps=st.blocks.num_warps_bwd, num_stages=st.blocks.num_stages_bwd)
-
-
-def _dq_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st: _Static):
-    """dq [B, Tq_pad, Hq, D] from padded q/do [B, Tq_pad, Hq, D], k/v [B, Tk_pad, Hkv, D], lse/delta [B, Hq, Tq_pad]."""
-    batch, tq_pad, hq, head_dim = q.shape
-    tk_pad, group = k.shape[1], hq // k.shape[2]
-    bq, bk = st.blocks.block_q_dq, st.blocks.block_k_dq
-    q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, tk_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    in_specs = [
-        pl.BlockSpec((1,), lambda i, b, h: (0,)), q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-        None if q_seg is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-        None if k_seg is None else pl.BlockSpec((None, tk_pad), lambda i, b, h: (b, 0)),
-    ]
-    return pl.pallas_call(
-        functools.partial(_dq_kernel, st=st, bq=bq, bk=bk),
-        grid=(tq_pad // bq, batch, hq),
-        in_specs=in_specs,
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_bwd_params(st),
-        interpret=st.interpret,
-        name="flash_attention_dq",
-    )(q_off, q, k, v, do, lse, delta, q_seg, k_seg)
-
-
-def _dkv_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st: _Static):
-    """(dk, dv) [B, Tk_pad, Hkv, D]; one program per (kv block, batch, kv head) loops over its G query heads."""
-    batch, tq_pad, hq, head_dim = q.shape
-    tk_pad, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    bq, bk = st.blocks.block_q_dkv, st.blocks.block_k_dkv
-    q_spec = pl.BlockSpec((None, tq_pad, group, head_dim), lambda j, b, h: (b, 0, h, 0))
-    kv_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    row_spec = pl.BlockSpec((None, group, tq_pad), lambda j, b, h: (b, h, 0))
-    in_specs = [
-        pl.BlockSpec((1,), lambda j, b, h: (0,)), q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-        None if q_seg is None else pl.BlockSpec((None, tq_pad), lambda j, b, h: (b, 0)),
-        None if k_seg is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-    ]
-    return pl.pallas_call(
-        functools.partial(_dkv_kernel, st=st, bq=bq, bk=bk, group=group),
-        grid=(tk_pad // bk, batch, hkv),
-        in_specs=in_specs,
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_bwd_params(st),
-        interpret=st.interpret,
-        name="flash_attention_dkv",
-    )(q_off, q, k, v, do, lse, delta, q_seg, k_seg)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Differentiable core on padded inputs.
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, q_off, q_seg, k_seg, st: _Static, fwd_impl: str):
+def _forward(q, k, v, q_off, q_seg, k_seg, st: KernelStatic, fwd_impl: str):
     if fwd_impl == "mosaic_gpu":
         return flash_attention_mgpu.forward(q, k, v, st)
     return _fwd_call(q, k, v, q_off, q_seg, k_seg, st)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _flash_core(q, k, v, q_off, q_seg, k_seg, st: _Static, fwd_impl: str):
+def _flash_core(q, k, v, q_off, q_seg, k_seg, st: KernelStatic, fwd_impl: str):
     return _forward(q, k, v, q_off, q_seg, k_seg, st, fwd_impl)
 
 
-def _flash_core_fwd(q, k, v, q_off, q_seg, k_seg, st: _Static, fwd_impl: str):
+def _flash_core_fwd(q, k, v, q_off, q_seg, k_seg, st: KernelStatic, fwd_impl: str):
     o, lse = _forward(q, k, v, q_off, q_seg, k_seg, st, fwd_impl)
     return (o, lse), (q, k, v, q_off, q_seg, k_seg, o, lse)
 
 
-def _flash_core_bwd(st: _Static, fwd_impl: str, res, cotangents):
+def _flash_core_bwd(st: KernelStatic, fwd_impl: str, res, cotangents):
     del fwd_impl  # the backward always runs the Triton-style kernels (interpreted when st.interpret)
     q, k, v, q_off, q_seg, k_seg, o, lse = res
     do, dlse = cotangents  # [B, Tq_pad, Hq, D], [B, Hq, Tq_pad]
@@ -464,8 +167,8 @@ def _flash_core_bwd(st: _Static, fwd_impl: str, res, cotangents):
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see no key: p = exp(s - inf) = 0
     do = do.astype(q.dtype)
-    dq = _dq_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st)
-    dk, dv = _dkv_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st)
+    dq = flash_attention_bwd.dq_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st)
+    dk, dv = flash_attention_bwd.dkv_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st)
     return dq, dk, dv, None, None, None
 
 
@@ -506,7 +209,7 @@ def _flash_attention_pallas(q, k, v, q_offset, q_seg, k_seg, *, causal, sm_scale
     _, q_len, _, head_dim = q.shape
     kv_len = k.shape[1]
     blocks = _fit_blocks(block_sizes, q_len, kv_len)
-    st = _Static(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window,
+    st = KernelStatic(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window,
                  logits_soft_cap=logits_soft_cap, q_len=q_len, kv_len=kv_len, has_segments=q_seg is not None,
                  blocks=blocks, interpret=backend == "interpret",
                  static_q_offset=static_q_offset if causal else 0)

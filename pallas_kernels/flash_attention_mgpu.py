@@ -54,7 +54,7 @@ class MgpuConfig:
 
 
 def supports(q_dtype, head_dim: int, st) -> bool:
-    """Whether the Mosaic GPU forward handles this call (`st` is flash_attention._Static)."""
+    """Whether the Mosaic GPU forward handles this call (`st` is flash_attention_common.KernelStatic)."""
     return (jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
             and head_dim <= 256 and st.sliding_window is None and not st.has_segments
             and st.logits_soft_cap is None and st.static_q_offset is not None)
