@@ -130,11 +130,12 @@ class LLM:
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.encode_prompt(p, chat) for p in prompts]
         if use_reference:
-            return self._generate_reference(texts, ids, max_tokens, temperature, top_p, top_k, seed)
+            return self._generate_reference(texts, ids, max_tokens, temperature, top_p, top_k, seed,
+                                            sampling.get("ignore_eos", False))
         return self.engine.generate(texts, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                     top_k=top_k, seed=seed, **sampling)
 
-    def _generate_reference(self, texts, ids, max_tokens, temperature, top_p, top_k, seed):
+    def _generate_reference(self, texts, ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos):
         from serving.reference_generate import generate_reference
 
         if max_tokens < 1:
@@ -142,12 +143,12 @@ class LLM:
         rows = [dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=(seed or 0) + i)
                 for i in range(len(ids))]
         t0 = time.perf_counter()
-        out = generate_reference(self.model, ids, rows, [max_tokens] * len(ids), self.config.eos_token_ids,
-                                 self.max_model_len)
+        stop_ids = () if ignore_eos else self.config.eos_token_ids
+        out = generate_reference(self.model, ids, rows, [max_tokens] * len(ids), stop_ids, self.max_model_len)
         elapsed = time.perf_counter() - t0
         results = []
         for text, prompt_ids, gen, lps in zip(texts, ids, out.token_ids, out.logprobs):
-            stopped = bool(gen) and gen[-1] in self.config.eos_token_ids
+            stopped = bool(gen) and gen[-1] in stop_ids
             results.append(CompletionOutput(text, prompt_ids, self.tokenizer.decode(gen), gen,
                                             "stop" if stopped else "length", lps, {"seconds": elapsed}))
         return results
