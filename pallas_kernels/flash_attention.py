@@ -19,8 +19,9 @@ the kernels and padded query rows are sliced off; this keeps every block in boun
 lowering and the interpreter. A query row that sees no key at all (possible with segment ids) returns zeros
 and lse = -inf.
 
-The Hopper (Mosaic GPU) forward lives in flash_attention_mgpu.py; this module owns the public entry point,
-the Triton/interpret kernels, the custom VJP and `reference()`.
+Modules: this one owns the public entry point, the Triton/interpret forward kernel, the custom VJP and
+`reference()`; flash_attention_bwd.py holds the dq and dk/dv kernels, flash_attention_mgpu.py the Hopper
+(Mosaic GPU) forward, flash_attention_common.py the tile sizes, masks and block ranges they share.
 """
 
 from __future__ import annotations
@@ -210,9 +211,9 @@ def _flash_attention_pallas(q, k, v, q_offset, q_seg, k_seg, *, causal, sm_scale
     kv_len = k.shape[1]
     blocks = _fit_blocks(block_sizes, q_len, kv_len)
     st = KernelStatic(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window,
-                 logits_soft_cap=logits_soft_cap, q_len=q_len, kv_len=kv_len, has_segments=q_seg is not None,
-                 blocks=blocks, interpret=backend == "interpret",
-                 static_q_offset=static_q_offset if causal else 0)
+                      logits_soft_cap=logits_soft_cap, q_len=q_len, kv_len=kv_len, has_segments=q_seg is not None,
+                      blocks=blocks, interpret=backend == "interpret",
+                      static_q_offset=static_q_offset if causal else 0)  # q_offset is irrelevant without causal
     use_mgpu = backend == "mosaic_gpu" and flash_attention_mgpu.supports(q.dtype, head_dim, st)
     # Pad lengths to a multiple of every tile that will walk them (all powers of two, so the max suffices).
     q_multiple = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
@@ -304,6 +305,9 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_
         logits_soft_cap: logits become cap * tanh(logits / cap) (after sm_scale), as in Gemma 2.
         return_lse: also return the natural-log logsumexp of each row, [B, Hq, Tq] fp32 (-inf for empty rows).
         backend: None (fastest here), "mosaic_gpu", "triton", "interpret" or "xla" (see backend.py).
+            "mosaic_gpu" runs the Hopper forward for bf16/f16 with D a multiple of 64, no segments, window or
+            soft cap and a Python-int q_offset, and the Triton forward otherwise; the backward is always the
+            Triton kernels.
         block_sizes: tile sizes for the Triton/interpret kernels; default BlockSizes.for_head_dim(D).
 
     Returns:
