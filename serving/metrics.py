@@ -1,0 +1,97 @@
+"""Prometheus metrics of the HTTP server.
+
+Counters and histograms are updated by the request handlers on the event loop; engine gauges (queue, running
+sequences, KV blocks, prefix-cache hit rate) are read at scrape time from the snapshot the engine thread
+publishes after every step, so a scrape never touches the engine. Each server owns its own registry, so
+several servers (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from serving.async_engine import EngineStats, RequestStream
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "pallas_serve"
+
+# Seconds; CPU runs of a 135M model sit around 0.05-5 s, GPU runs far below, so the buckets span both.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class _EngineCollector:
+    """Gauges computed from the latest EngineStats at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats() or EngineStats()
+        gauges = (
+            ("queue_length", "Requests waiting for a running slot.", s.num_waiting),
+            ("running_sequences", "Sequences being generated.", s.num_running),
+            ("kv_blocks_used", "KV blocks referenced (by requests or the prefix cache).", s.kv_blocks_used),
+            ("kv_blocks_free", "KV blocks on the free list.", s.kv_blocks_free),
+            ("kv_blocks_cached", "KV blocks held by the prefix cache.", s.kv_blocks_cached),
+            ("kv_blocks_in_requests", "KV blocks used beyond the prefix cache's own (0 when idle).",
+             max(0, s.kv_blocks_used - s.kv_blocks_cached)),
+            ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up.",
+             s.prefix_hit_rate),
+            ("preemptions", "Preemptions since start.", s.num_preemptions),
+            ("engine_steps", "Engine steps since start.", s.num_steps),
+            ("engine_step_failures", "Engine steps that raised since start.", s.num_step_failures),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class ServerMetrics:
+    """The server's metrics and their Prometheus text rendering.
+
+    Args:
+      stats: returns the engine's latest EngineStats (or None before it is loaded).
+    """
+
+    def __init__(self, stats: Callable[[], EngineStats | None]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter(f"{PREFIX}_sequences_finished", "Finished sequences by finish reason.",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generated_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token, per sequence.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per sequence.",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last token, per sequence.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(stats))
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_stream(self, stream: RequestStream, num_prompt_tokens: int,
+                       finish_reasons: dict[str, str | None]) -> None:
+        """Records latency and token counts of a stream's sequences once it has ended (any way)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        for rid in stream.request_ids:
+            n = stream.num_output_tokens.get(rid, 0)
+            self.generated_tokens.inc(n)
+            self.finished.labels(reason=finish_reasons.get(rid) or "abort").inc()
+            first, end = stream.first_token_at.get(rid), stream.finished_at.get(rid)
+            if first is not None:
+                self.ttft.observe(first - stream.arrival)
+            if end is not None and first is not None:
+                self.e2e.observe(end - stream.arrival)
+                if n > 1:
+                    self.tpot.observe((end - first) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
