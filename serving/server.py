@@ -592,7 +592,8 @@ def main(argv) -> int:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn server that marks the app as draining (503 for new requests, /health 503) on SIGTERM/SIGINT,
-    while uvicorn stops listening and waits for in-flight requests."""
+    while uvicorn stops listening and waits for in-flight requests; after a complete drain the process exits 0
+    (uvicorn would re-raise the signal and die by it)."""
 
     def handle_exit(self, sig, frame) -> None:
         state = getattr(self.config.app, "state", None)
@@ -600,6 +601,11 @@ class DrainingServer(uvicorn.Server):
         if server_state is not None:
             server_state.draining = True
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if not self.force_exit:
+            self._captured_signals.clear()
 
 
 def entry():
