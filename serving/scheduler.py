@@ -463,11 +463,28 @@ class Scheduler:
 
     def reserve_lookahead(self, requests: Sequence[Request], num_tokens: int,
                           cow_pairs: list[tuple[int, int]]) -> bool:
-        """Extends scheduled requests' blocks by `num_tokens` positions past this step, for multi-step decode
-        (the engine computes several tokens per row before the next `schedule`). Call between `schedule` and
-        `update`. Blocks taken stay with their request either way; False means some row could not be covered
-        without preempting, and the engine should run a single step."""
-        return all(self._allocate(req, 1 + num_tokens, cow_pairs) for req in requests)
+        """Extends running requests' blocks by `num_tokens` positions past this step's tokens (all known tokens),
+        for a multi-step decode loop (several tokens per row before the next `schedule`).
+
+        Call between `schedule` and `update`; read the blocks from `request.block_ids` (the step's block_table
+        predates them) and report the KV written through `update(..., computed=...)`. Never preempts; the prefix
+        cache may be evicted. Blocks taken stay with their request either way (used by later steps or freed
+        with it).
+
+        Args:
+            requests: running requests, typically this step's decode rows.
+            num_tokens: extra positions each needs.
+            cow_pairs: receives (src, dst) page copies the runner must make first.
+
+        Returns:
+            False if some request could not be covered without preempting: run a single step instead.
+        """
+        for req in requests:
+            if req.status is not RequestStatus.RUNNING:
+                raise ValueError(f"reserve_lookahead: {req.request_id!r} is not running")
+            if not self._allocate(req, req.num_tokens - req.num_computed_tokens + num_tokens, cow_pairs):
+                return False
+        return True
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]],
                logprobs: Mapping[str, Sequence[Any]] | None = None,
@@ -479,23 +496,22 @@ class Scheduler:
             sampled: request_id -> tokens sampled for it (one normally, several with speculative decoding); every
                 row with `sample` set needs at least one. Tokens after one that stops the request are dropped.
             logprobs: optional request_id -> one entry per sampled token, appended to output_logprobs.
-            computed: optional request_id -> positions whose KV this step wrote, when more than the scheduled
-                tokens (multi-step decode writes one position per sampled token).
+            computed: optional request_id -> positions whose KV this step wrote from start_pos on, when more
+                than len(token_ids): a k-step decode loop writes the scheduled token and the first k - 1 sampled
+                ones (into blocks from `reserve_lookahead`). KV past a stop token is discarded.
 
         Returns:
             Requests finished by a token-level stop condition this step.
         """
+        live = [sr for sr in output.scheduled  # Skips requests finished or aborted since schedule().
+                if self.requests.get(sr.request_id) is sr.request and sr.request.status is RequestStatus.RUNNING]
+        for sr in live:  # Validate everything before changing anything.
+            self._check_row(sr, sampled.get(sr.request_id, ()), (computed or {}).get(sr.request_id))
         finished = []
-        for sr in output.scheduled:
+        for sr in live:
             req = sr.request
-            if self.requests.get(req.request_id) is not req or req.status is not RequestStatus.RUNNING:
-                continue  # Finished or aborted since schedule().
             tokens = sampled.get(req.request_id, ())
-            if sr.sample and not tokens:
-                raise ValueError(f"request {req.request_id!r} was sampled this step but got no token")
-            if tokens and not sr.sample:
-                raise ValueError(f"request {req.request_id!r} got tokens for a non-final prefill chunk")
-            req.num_computed_tokens = sr.start_pos + (computed or {}).get(req.request_id, len(sr.token_ids))
+            n_computed = (computed or {}).get(req.request_id, len(sr.token_ids))
             entries = logprobs.get(req.request_id) if logprobs else None
             reason = None
             for j, token in enumerate(tokens):
@@ -503,6 +519,8 @@ class Scheduler:
                 reason = self._stop_reason(req, token)
                 if reason is not None:
                     break
+            # Positions past the kept tokens hold KV of tokens dropped after a stop: not part of the request.
+            req.num_computed_tokens = min(sr.start_pos + n_computed, req.num_tokens)
             if tokens:
                 self._needs_progress.discard(req.request_id)
             if reason is not None:
@@ -510,6 +528,18 @@ class Scheduler:
             elif self.cache is not None and sr.start_pos < req.num_prompt_tokens:
                 self._cache_blocks(req)  # Share prompt blocks with concurrent requests as soon as computed.
         return finished
+
+    @staticmethod
+    def _check_row(sr: ScheduledRequest, tokens: Sequence[int], n_computed: int | None) -> None:
+        rid = sr.request_id
+        if sr.sample and not tokens:
+            raise ValueError(f"request {rid!r} was sampled this step but got no token")
+        if tokens and not sr.sample:
+            raise ValueError(f"request {rid!r} got tokens for a non-final prefill chunk")
+        n = len(sr.token_ids)
+        if n_computed is not None and not n <= n_computed <= n + max(len(tokens) - 1, 0):
+            raise ValueError(f"request {rid!r}: computed={n_computed} for {n} scheduled and {len(tokens)} sampled "
+                             "tokens")
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling_params

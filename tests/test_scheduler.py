@@ -388,6 +388,48 @@ def test_allocation_evicts_least_recently_used_cache_blocks_only_as_needed():
     assert s.cache.match_prefix(list(range(300, 316))).block_ids == [5, 6, 7, 8]
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_multi_step_decode_with_lookahead(caching):
+    s = make(caching=caching)
+    a = req("a", 6, max_tokens=20)
+    s.add_request(a)
+    step(s)  # Prompt in blocks [1, 2]; one token sampled.
+    out = s.schedule()
+    (sr,) = out.scheduled
+    cow = []
+    assert s.reserve_lookahead([a], 7, cow) and cow == []
+    assert sr.block_table == [1, 2] and a.block_ids == [1, 2, 3, 4]  # Positions up to 6 + 1 + 7 - 1 = 13.
+    s.update(out, {"a": [10 + i for i in range(8)]}, computed={"a": 8})
+    assert a.num_computed_tokens == 14 and a.num_tokens == 15  # The last sampled token still needs its KV.
+    s.check_invariants()
+    out = s.schedule()
+    assert s.reserve_lookahead([a], 4, cow)
+    with pytest.raises(ValueError, match="computed=9"):
+        s.update(out, {"a": [1, 2, 3, 4, 5]}, computed={"a": 9})
+    out = s.schedule()
+    # EOS third of five: KV written for the two tokens after it is dropped with them.
+    done = s.update(out, {"a": [30, 31, EOS, 33, 34]}, computed={"a": 5})
+    assert done == [a] and a.output_token_ids[-3:] == [30, 31, EOS] and a.num_computed_tokens == a.num_tokens
+    s.check_invariants()
+    if caching:
+        assert len(s.cache.cached_block_ids()) == a.num_tokens // BS
+        s.cache.clear()
+    assert s.block_manager.num_free == 16
+
+
+def test_lookahead_never_preempts():
+    s = make(num_blocks=4)  # 3 usable blocks.
+    a = req("a", 4, max_tokens=8)
+    s.add_request(a)
+    step(s)
+    out = s.schedule()
+    cow = []
+    assert not s.reserve_lookahead([a], 8, cow)  # Would need 4 blocks.
+    assert s.reserve_lookahead([a], 7, cow) and len(a.block_ids) == 3
+    s.update(out, {"a": [7]})  # A single step after all; the extra blocks stay with a.
+    s.check_invariants()
+
+
 def test_sampling_params_validation():
     assert SamplingParams().validate() == SamplingParams()
     bad = [dict(max_tokens=0), dict(max_tokens=-1), dict(temperature=-0.5), dict(temperature=float("nan")),
@@ -461,14 +503,19 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
         assert out.num_batched_tokens <= s.max_num_batched_tokens
         assert out.num_batched_tokens == sum(len(sr.token_ids) for sr in out.scheduled)
         for sr in out.scheduled:
-            assert len(sr.block_table) == -(-(sr.start_pos + len(sr.token_ids)) // BS)
+            assert len(sr.block_table) >= -(-(sr.start_pos + len(sr.token_ids)) // BS)  # More after a lookahead.
             assert 0 not in sr.block_table
+        computed = None
+        if out.scheduled and all(sr.sample and len(sr.token_ids) == 1 for sr in out.scheduled) and rng.random() < 0.3:
+            k = rng.randint(2, 4)  # Multi-step decode loop.
+            if s.reserve_lookahead([sr.request for sr in out.scheduled], k - 1, []):
+                computed = {sr.request_id: k for sr in out.scheduled}
         if rng.random() < 0.1 and s.requests:
             s.abort(rng.choice(sorted(s.requests)))  # Between schedule and update.
         sampled = {sr.request_id: [EOS if rng.random() < 0.08 else rng.randint(3, 40)
-                                   for _ in range(rng.choice([1, 1, 1, 3]))]
+                                   for _ in range(computed[sr.request_id] if computed else rng.choice([1, 1, 1, 3]))]
                    for sr in out.scheduled if sr.sample}
-        finished += len(s.update(out, sampled))
+        finished += len(s.update(out, sampled, computed=computed))
         preemptions += len(out.preempted_ids)
         copies += len(out.cow_pairs)
         for rid in out.preempted_ids:
