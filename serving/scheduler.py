@@ -6,6 +6,10 @@ One step of the engine:
     ...runner copies out.cow_pairs pages, computes out.scheduled, samples rows with .sample...
     done = scheduler.update(out, {request_id: [token, ...]})
 
+Between steps the engine may call add_request (raises RequestRejected for a request that can never run),
+abort / finish (any state; blocks released), fork (parallel sampling), stats(); within a step,
+reserve_lookahead before a multi-step decode loop (then update(..., computed=...)).
+
 There is one path for every kind of work, as in vLLM v1: a request needs `num_tokens - num_computed_tokens`
 more positions computed. A fresh prompt needs all of them (minus prefix-cache hits), a decode row needs 1 (the
 token sampled last step), a request resumed after preemption needs its prompt and outputs again. Each step:
