@@ -3,21 +3,24 @@
 Data flow (Triton / interpret backends):
 
     q [T, Hq, D] --> q [Hkv, T_pad * Gp, D]      row r of KV head h = (token r // Gp, query head h*G + r % Gp)
-    metadata pass (XLA, on device): per sequence  n_tiles[s] = cdiv(q_len[s], bq); a flat work list
-        tile w -> (tile_seq[w], tile_q0[w])  (its sequence, its first flat token), num_tiles in total.
-    grid (W, Hkv), W = T // bq + S (a static bound on the tile count; programs past num_tiles exit at once).
-        program (w, h): M = bq * Gp query rows of one sequence (bq tokens x the Gp heads of KV group h),
+    metadata pass (XLA, on device): a flat work list of query tiles, tile w -> (tile_seq[w], tile_q0[w])
+        (its sequence, its first flat token). Sequences with more than `small` query tokens get
+        cdiv(q_len, bq) prefill tiles of bq tokens, listed first; the others (decode, speculative verify)
+        get one small tile each, listed after, so a decode row does not pay for a prefill-sized tile.
+    grid (Hkv, W), W = T // bq + S (a static bound on the tile count; programs past it exit at once).
+        program (h, w): bq * Gp query rows of one sequence (bq tokens x the Gp heads of KV group h),
         walks that sequence's pages up to the tile's last causal position; each KV page is gathered once
-        for all M rows; causal mask per row; masked store of the rows that belong to the sequence.
+        for all rows; causal mask per row; masked store of the rows that belong to the sequence.
     o [Hkv, T_pad * Gp, D] --> [T, Hq, D], rows at or past cu_q_lens[num_seqs] zeroed.
 
-        flat tokens:  | seq 0 (chunk, 5 tok) | s1 | seq 2 (chunk, 17 tok)      | s3 | pad pad |
-        tiles (bq=8): | w0 (5 rows valid)    | w1 | w2      | w3      | w4 (1)| w5 |
+        flat tokens:  | seq 0 (5 tok) | s1 (1) | seq 2 (17 tok)                    | s3 (1) | pad pad |
+        prefill tiles (bq=8), sequence order:  w0 = seq 0 [0, 5)   w1, w2, w3 = seq 2 [6, 14) [14, 22) [22, 23)
+        small tiles (q_len <= 4), after them:  w4 = s1 [5, 6)      w5 = s3 [23, 24)
         query j of seq s sits at position kv_lens[s] - q_len[s] + j and sees keys 0..that position.
 
-Decode rows are tiles with one valid token (G valid rows); prefill chunks fill whole tiles, so one launch
-serves both without host-side scheduling. Shapes (T, S, max_blocks) are static buckets; the data decides
-the work.
+Prefill tiles (config.block_q_rows rows) are compute-heavy and start first; small tiles
+(config.small_q_rows rows) are bandwidth-bound decode work that fills the tail, so one launch overlaps the
+two. Shapes (T, S, max_blocks) are static buckets; the data decides the work.
 """
 
 from __future__ import annotations
@@ -51,20 +54,25 @@ class RaggedConfig:
     """Tile sizes for the ragged kernel (a static argument).
 
     Attributes:
-        block_q_rows: query rows per tile (tokens x padded group heads); tokens per tile = rows // Gp.
+        block_q_rows: query rows per prefill tile (tokens x padded group heads); tokens = rows // Gp.
+        small_q_rows: query rows per small tile, used for sequences whose whole query fits in one
+            (decode and speculative-verify rows), so they do not pay for a prefill-sized tile; 0 disables.
         block_tokens: KV tokens per inner-loop step; a step gathers max(1, block_tokens // page_size) pages.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the page loop.
     """
 
     block_q_rows: int = 64
+    small_q_rows: int = 16
     block_tokens: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
     def __post_init__(self):
         if not _is_pow2(self.block_q_rows) or self.block_q_rows < 16:
             raise ValueError(f"block_q_rows must be a power of 2 >= 16, got {self.block_q_rows}")
+        if self.small_q_rows and (not _is_pow2(self.small_q_rows) or self.small_q_rows < 16):
+            raise ValueError(f"small_q_rows must be 0 or a power of 2 >= 16, got {self.small_q_rows}")
         if not _is_pow2(self.block_tokens) or self.block_tokens < 16:
             raise ValueError(f"block_tokens must be a power of 2 >= 16, got {self.block_tokens}")
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -75,35 +83,90 @@ class RaggedConfig:
     def pages_per_block(self, page_size: int) -> int:
         return max(1, self.block_tokens // page_size)
 
-    def tokens_per_tile(self, group_rows: int) -> int:
-        return max(1, self.block_q_rows // group_rows)
+    def tokens_per_tile(self, group_rows: int) -> tuple[int, int]:
+        """(tokens per prefill tile, tokens per small tile; 0 when small tiles are off)."""
+        big = max(1, self.block_q_rows // group_rows)
+        small = max(1, self.small_q_rows // group_rows) if self.small_q_rows else 0
+        return big, (small if small < big else 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Metadata pass: per-tile work list, on device.
 # ---------------------------------------------------------------------------------------------------------
-def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, max_tiles: int):
-    """Work list of query tiles. cu_q_lens [S+1], num_seqs [] -> tile_seq [W], tile_q0 [W], num_tiles [1].
+def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_tiles: int):
+    """Work list of query tiles: prefill tiles first, then one small tile per short sequence.
 
-    Sequences at or past num_seqs get no tiles. Tiles past num_tiles repeat the last sequence; the kernel
-    skips them.
+    A live sequence with 0 < q_len <= small_block_q gets one small tile (decode, speculative verify);
+    any other gets cdiv(q_len, block_q) prefill tiles. Prefill tiles go first so the long-running work
+    starts early and the short tiles fill the tail.
+
+    Args:
+        cu_q_lens: [S+1] int32 cumulative query lengths.
+        num_seqs: [] int32; sequences at or past it get no tiles.
+        block_q: tokens per prefill tile.
+        small_block_q: tokens per small tile (0: no small tiles).
+        max_tiles: static bound W on the tile count.
+
+    Returns:
+        tile_seq [W], tile_q0 [W] (first flat token), counts [2] = (live tiles, prefill tiles), all int32.
+        Tiles past the live count carry clamped values; the kernel skips them.
     """
     num_slots = cu_q_lens.shape[0] - 1
     live = jnp.arange(num_slots) < num_seqs
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
-    n_tiles = (q_lens + block_q - 1) // block_q  # [S]
-    ends = jnp.cumsum(n_tiles)  # [S] exclusive end tile of each sequence
+    small = (q_lens > 0) & (q_lens <= small_block_q)
+    n_big = jnp.where(small, 0, (q_lens + block_q - 1) // block_q)  # [S]
+    ends_big, ends_small = jnp.cumsum(n_big), jnp.cumsum(small.astype(jnp.int32))  # [S] exclusive ends
     w = jnp.arange(max_tiles, dtype=jnp.int32)
-    tile_seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), num_slots - 1).astype(jnp.int32)
-    tile_q0 = cu_q_lens[tile_seq] + (w - (ends - n_tiles)[tile_seq]) * block_q
-    return tile_seq, tile_q0.astype(jnp.int32), ends[-1:].astype(jnp.int32)
+    seq_big = jnp.minimum(jnp.searchsorted(ends_big, w, side="right"), num_slots - 1)
+    q0_big = cu_q_lens[seq_big] + (w - (ends_big - n_big)[seq_big]) * block_q
+    seq_small = jnp.minimum(jnp.searchsorted(ends_small, w - ends_big[-1], side="right"), num_slots - 1)
+    is_big = w < ends_big[-1]
+    tile_seq = jnp.where(is_big, seq_big, seq_small).astype(jnp.int32)
+    tile_q0 = jnp.where(is_big, q0_big, cu_q_lens[seq_small]).astype(jnp.int32)
+    counts = jnp.stack([ends_big[-1] + ends_small[-1], ends_big[-1]]).astype(jnp.int32)
+    return tile_seq, tile_q0, counts
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernel body.
 # ---------------------------------------------------------------------------------------------------------
+def _attend_tile(seq, q0, cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
+                 k_scales_ref, v_scales_ref, o_ref, *, block_q, group_rows, scale_log2, page_size,
+                 pages_per_block, compute_dtype):
+    """Causal attention of tokens q0 .. q0+block_q-1 of sequence `seq` (rows past its end are not stored)."""
+    q_begin, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+    first_pos = kv_lens_ref[seq] - (q_end - q_begin)  # position of the sequence's first query token
+    rows = block_q * group_rows
+    tok = q0 + jnp.arange(rows) // group_rows  # [M] flat token of each row
+    pos = first_pos + tok - q_begin  # [M] causal position of each row
+    kv_hi = first_pos + jnp.minimum(q0 + block_q, q_end) - q_begin  # keys the tile's last row sees
+    block_tokens = pages_per_block * page_size
+    q = q_ref[pl.ds(q0 * group_rows, rows), :]  # [M, D]
+
+    def body(i, carry):
+        page0 = i * pages_per_block
+        pages = block_tables_ref[seq, pl.ds(page0, pages_per_block)]  # [pages_per_block]
+        first_token = page0 * page_size
+        k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, kv_hi, page_size)
+        v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, kv_hi, page_size)
+        key = first_token + jnp.arange(block_tokens)  # [N]
+        mask = valid[None, :] & (key[None, :] <= pos[:, None])  # [M, N]
+        return attend_block(q, k, v, ks, vs, mask, carry, scale_log2=scale_log2, compute_dtype=compute_dtype)
+
+    carry = (
+        jnp.zeros((rows, q.shape[1]), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, _, l = jax.lax.fori_loop(0, pl.cdiv(kv_hi, block_tokens), body, carry)
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    store_mask = jnp.broadcast_to((tok < q_end)[:, None], out.shape)
+    plgpu.store(o_ref.at[pl.ds(q0 * group_rows, rows), :], out, mask=store_mask)
+
+
 def _ragged_kernel(
-    num_tiles_ref,  # [1] int32 live tiles
+    counts_ref,  # [2] int32: live tiles, prefill tiles (which come first)
     tile_seq_ref,  # [W] int32 sequence of each tile
     tile_q0_ref,  # [W] int32 first flat token of each tile
     cu_q_lens_ref,  # [S+1] int32
@@ -116,46 +179,19 @@ def _ragged_kernel(
     v_scales_ref,  # [num_pages * page_size] f32 (None for float pages)
     o_ref,  # [T_pad * Gp, D] q dtype, KV head h
     *,
-    scale_log2: float,
-    page_size: int,
-    pages_per_block: int,
-    group_rows: int,
     block_q: int,
-    compute_dtype,
+    small_block_q: int,
+    **static,
 ):
-    w = pl.program_id(0)
-
-    @pl.when(w < num_tiles_ref[0])
-    def _():
-        seq, q0 = tile_seq_ref[w], tile_q0_ref[w]
-        q_begin, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
-        first_pos = kv_lens_ref[seq] - (q_end - q_begin)  # position of the sequence's first query token
-        rows = block_q * group_rows
-        tok = q0 + jnp.arange(rows) // group_rows  # [M] flat token of each row
-        pos = first_pos + tok - q_begin  # [M] causal position of each row
-        kv_hi = first_pos + jnp.minimum(q0 + block_q, q_end) - q_begin  # keys the tile's last row sees
-        block_tokens = pages_per_block * page_size
-        q = q_ref[pl.ds(q0 * group_rows, rows), :]  # [M, D]
-
-        def body(i, carry):
-            page0 = i * pages_per_block
-            pages = block_tables_ref[seq, pl.ds(page0, pages_per_block)]  # [pages_per_block]
-            first_token = page0 * page_size
-            k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, kv_hi, page_size)
-            v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, kv_hi, page_size)
-            key = first_token + jnp.arange(block_tokens)  # [N]
-            mask = valid[None, :] & (key[None, :] <= pos[:, None])  # [M, N]
-            return attend_block(q, k, v, ks, vs, mask, carry, scale_log2=scale_log2, compute_dtype=compute_dtype)
-
-        carry = (
-            jnp.zeros((rows, q.shape[1]), jnp.float32),
-            jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32),
-        )
-        acc, _, l = jax.lax.fori_loop(0, pl.cdiv(kv_hi, block_tokens), body, carry)
-        out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
-        store_mask = jnp.broadcast_to((tok < q_end)[:, None], out.shape)
-        plgpu.store(o_ref.at[pl.ds(q0 * group_rows, rows), :], out, mask=store_mask)
+    w = pl.program_id(1)
+    num_live, num_big = counts_ref[0], counts_ref[1]
+    seq, q0 = tile_seq_ref[w], tile_q0_ref[w]
+    refs = (cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, k_scales_ref,
+            v_scales_ref, o_ref)
+    pl.when(w < num_big)(lambda: _attend_tile(seq, q0, *refs, block_q=block_q, **static))
+    if small_block_q:  # one branch per tile size: a decode row does not pay for a prefill-sized tile
+        pl.when((w >= num_big) & (w < num_live))(
+            lambda: _attend_tile(seq, q0, *refs, block_q=small_block_q, **static))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,10 +203,10 @@ def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_se
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     group_rows = _next_pow2(group)
-    block_q = config.tokens_per_tile(group_rows)
+    block_q, small_block_q = config.tokens_per_tile(group_rows)
     rows = block_q * group_rows
     num_slots = kv_lens.shape[0]
-    max_tiles = num_tokens // block_q + num_slots  # sum_s cdiv(q_len_s, bq) <= T / bq + S
+    max_tiles = num_tokens // block_q + num_slots  # prefill tiles <= T / bq + S_prefill, small <= S_small
     padded_tokens = num_tokens + block_q  # a tile may start near T and span bq rows
     pages_per_block = config.pages_per_block(page_size)
     pad_pages = -block_tables.shape[1] % pages_per_block
@@ -179,31 +215,34 @@ def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_se
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(compute_dtype_for(q.dtype, k_pages.dtype))
     q4 = jnp.pad(q4, ((0, padded_tokens - num_tokens), (0, 0), (0, group_rows - group), (0, 0)))
     q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group_rows, head_dim)
-    tile_seq, tile_q0, num_tiles = tile_metadata(cu_q_lens, num_seqs, block_q=block_q, max_tiles=max_tiles)
+    tile_seq, tile_q0, counts = tile_metadata(cu_q_lens, num_seqs, block_q=block_q, small_block_q=small_block_q,
+                                              max_tiles=max_tiles)
 
     kernel = functools.partial(
-        _ragged_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size, pages_per_block=pages_per_block,
-        group_rows=group_rows, block_q=block_q, compute_dtype=q_rows.dtype)
-    whole = lambda shape: pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))  # noqa: E731
+        _ragged_kernel, block_q=block_q, small_block_q=small_block_q, scale_log2=sm_scale * LOG2E,
+        page_size=page_size, pages_per_block=pages_per_block, group_rows=group_rows, compute_dtype=q_rows.dtype)
+    # Grid (Hkv, W): heads vary fastest, so tiles launch in work-list order (prefill tiles first) and the
+    # heads of one tile, which read the same block table, run side by side.
+    whole = lambda shape: pl.BlockSpec(shape, lambda h, w: (0,) * len(shape))  # noqa: E731
     slots = num_pages * page_size
-    row_spec = pl.BlockSpec((None, padded_tokens * group_rows, head_dim), lambda w, h: (h, 0, 0))
-    page_spec = pl.BlockSpec((None, slots, head_dim), lambda w, h: (h, 0, 0))
-    scale_spec = pl.BlockSpec((None, slots), lambda w, h: (h, 0))
+    row_spec = pl.BlockSpec((None, padded_tokens * group_rows, head_dim), lambda h, w: (h, 0, 0))
+    page_spec = pl.BlockSpec((None, slots, head_dim), lambda h, w: (h, 0, 0))
+    scale_spec = pl.BlockSpec((None, slots), lambda h, w: (h, 0))
     in_specs = [
-        whole((1,)), whole((max_tiles,)), whole((max_tiles,)), whole(cu_q_lens.shape), whole(kv_lens.shape),
+        whole((2,)), whole((max_tiles,)), whole((max_tiles,)), whole(cu_q_lens.shape), whole(kv_lens.shape),
         whole(block_tables.shape), row_spec, page_spec, page_spec,
         None if k_scales is None else scale_spec, None if v_scales is None else scale_spec,
     ]
     o_rows = pl.pallas_call(
         kernel,
-        grid=(max_tiles, num_kv_heads),
+        grid=(num_kv_heads, max_tiles),
         in_specs=in_specs,
         out_specs=row_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"ragged_paged_ps{page_size}_m{rows}_bt{config.block_tokens}",
-    )(num_tiles, tile_seq, tile_q0, cu_q_lens, kv_lens, block_tables, q_rows,
+    )(counts, tile_seq, tile_q0, cu_q_lens, kv_lens, block_tables, q_rows,
       *flatten_pages(k_pages, v_pages, k_scales, v_scales))
 
     o = o_rows.reshape(num_kv_heads, padded_tokens, group_rows, head_dim)[:, :num_tokens, :group]

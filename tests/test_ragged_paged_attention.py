@@ -63,12 +63,12 @@ class RaggedAttentionTestBase:
         return out, ref
 
     @pytest.mark.parametrize(
-        "group,head_dim,page_size,rows,block_tokens",
-        [(1, 64, 16, 16, 16), (3, 64, 32, 64, 64), (4, 128, 16, 32, 32), (8, 64, 128, 64, 64),
-         (2, 64, 16, 64, 128)],
+        "group,head_dim,page_size,rows,small_rows,block_tokens",
+        [(1, 64, 16, 16, 0, 16), (3, 64, 32, 64, 16, 64), (4, 128, 16, 32, 16, 32), (8, 64, 128, 64, 16, 64),
+         (2, 64, 16, 64, 0, 128), (2, 64, 32, 64, 32, 32)],
     )
-    def test_mixed_f32(self, group, head_dim, page_size, rows, block_tokens):
-        config = rpa.RaggedConfig(block_q_rows=rows, block_tokens=block_tokens)
+    def test_mixed_f32(self, group, head_dim, page_size, rows, small_rows, block_tokens):
+        config = rpa.RaggedConfig(block_q_rows=rows, small_q_rows=small_rows, block_tokens=block_tokens)
         out, ref = self.run_case(MIXED, group=group, head_dim=head_dim, page_size=page_size, config=config)
         assert rel_err(out, ref) < 1e-4
 
@@ -113,11 +113,14 @@ class TestRaggedAttentionGpu(RaggedAttentionTestBase):
 
 
 def test_tile_metadata_exact():
-    cu = jnp.asarray([0, 5, 6, 23, 23, 23], jnp.int32)  # q_lens 5, 1, 17, 0 | padding slot
-    seq, q0, n = rpa.tile_metadata(cu, jnp.int32(4), block_q=8, max_tiles=8)
-    assert int(n[0]) == 5
-    np.testing.assert_array_equal(np.asarray(seq)[:5], [0, 1, 2, 2, 2])
-    np.testing.assert_array_equal(np.asarray(q0)[:5], [0, 5, 6, 14, 22])
+    cu = jnp.asarray([0, 5, 6, 23, 23, 26, 26], jnp.int32)  # q_lens 5, 1, 17, 0, 3 | padding slot
+    seq, q0, counts = rpa.tile_metadata(cu, jnp.int32(5), block_q=8, small_block_q=4, max_tiles=10)
+    np.testing.assert_array_equal(np.asarray(counts), [6, 4])  # 4 prefill tiles, then 2 small ones
+    np.testing.assert_array_equal(np.asarray(seq)[:6], [0, 2, 2, 2, 1, 4])
+    np.testing.assert_array_equal(np.asarray(q0)[:6], [0, 6, 14, 22, 5, 23])
+    seq, q0, counts = rpa.tile_metadata(cu, jnp.int32(5), block_q=8, small_block_q=0, max_tiles=10)
+    np.testing.assert_array_equal(np.asarray(counts), [6, 6])
+    np.testing.assert_array_equal(np.asarray(seq)[:6], [0, 1, 2, 2, 2, 4])
 
 
 def test_reference_decode_rows_match_paged_reference():
@@ -157,6 +160,7 @@ def test_validation_errors(change, match):
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_q_rows=8), dict(block_q_rows=48), dict(block_tokens=100),
+                                    dict(small_q_rows=8), dict(small_q_rows=24),
                                     dict(num_warps=5), dict(num_stages=0)])
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
