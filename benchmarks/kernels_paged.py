@@ -36,14 +36,15 @@ DECODE_SHAPES = [dict(batch=64, ctx=4096), dict(batch=8, ctx=8192)]
 DECODE_CONFIGS = {
     64: [pa.PagedAttentionConfig()]
     + [pa.PagedAttentionConfig(block_tokens=bt, num_splits=s, num_warps=w, num_stages=st)
-       for bt, s, w, st in [(128, 1, 4, 3), (64, 1, 4, 4), (128, 2, 4, 3), (256, 1, 8, 2), (64, 1, 8, 3)]],
+       for bt, s, w, st in [(64, 1, 4, 4), (64, 2, 4, 4), (32, 1, 4, 4), (64, 1, 4, 5), (128, 2, 4, 3)]],
     8: [pa.PagedAttentionConfig()]
     + [pa.PagedAttentionConfig(block_tokens=bt, num_splits=s, num_warps=w, num_stages=st)
-       for bt, s, w, st in [(128, 8, 4, 3), (128, 16, 4, 3), (64, 16, 4, 4), (256, 8, 8, 2)]],
+       for bt, s, w, st in [(64, 8, 4, 4), (64, 32, 4, 4), (32, 16, 4, 4)]],
 }
 RAGGED_CONFIGS = [rpa.RaggedConfig()] + [
-    rpa.RaggedConfig(block_q_rows=m, block_tokens=bt, num_warps=w, num_stages=st)
-    for m, bt, w, st in [(32, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
+    rpa.RaggedConfig(block_q_rows=m, small_q_rows=sm, block_tokens=bt, num_warps=w, num_stages=st)
+    for m, sm, bt, w, st in [(64, 0, 64, 4, 3), (128, 16, 64, 4, 3), (128, 16, 64, 8, 3), (64, 16, 64, 4, 2),
+                             (64, 16, 128, 4, 2), (32, 16, 64, 4, 3), (128, 16, 32, 4, 4)]
 ]
 
 
@@ -111,6 +112,8 @@ def bench_jax_example(args, ref, nbytes):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+    q, *rest = args
+    args = (q * (1.0 / D ** 0.5), *rest)  # the example applies no softmax scale; fold ours into q
     rows = []
     for k_splits, ppcb in [(16, 8), (4, 8)]:
         fn = jax.jit(lambda *a, s=k_splits, p=ppcb: jpa.paged_attention(*a, k_splits=s, pages_per_compute_block=p))
