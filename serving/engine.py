@@ -125,10 +125,10 @@ class LLMEngine:
         if out.is_empty:
             return []
         self.runner.copy_blocks(out.cow_pairs)
-        num_loop = self._decode_loop_length(out)
+        limits = self._decode_loop_limits(out)
         computed = None
-        if num_loop > 1:
-            sampled, logprobs = self._run_decode_loop(out, num_loop)
+        if limits:
+            sampled, logprobs = self._run_decode_loop(out, limits)
             computed = {rid: len(toks) for rid, toks in sampled.items()}
         else:
             sampled, logprobs = self._run_step(out)
@@ -171,31 +171,38 @@ class LLMEngine:
         result = sample_rows(logits, st, out_ids, prompt_ids, banned, num_logprobs=num_lp)
         return [np.asarray(a)[:n] for a in result]
 
-    def _decode_loop_length(self, out: SchedulerOutput) -> int:
-        """How many decode steps can run on device before the host must look again (1 = a normal step)."""
+    def _decode_loop_limits(self, out: SchedulerOutput) -> list[int] | None:
+        """Per-row token counts for one multi-step decode loop, or None for a normal step.
+
+        The loop always runs `decode_steps` iterations (one compiled length per decode bucket, so nothing
+        compiles while serving); a row closer than that to max_tokens or max_model_len stops writing KV after
+        its own limit. The loop is used only when some row can take all `decode_steps` tokens.
+        """
         k = self.config.decode_steps
         if k <= 1 or self.scheduler.num_waiting or len(out.scheduled) > self.runner.decode_buckets[-1]:
-            return 1
+            return None
+        limits = []
         for sr in out.scheduled:
             p, req = sr.request.sampling_params, sr.request
             if (len(sr.token_ids) != 1 or not sr.sample or p.stop or _has_penalties(p) or p.logprobs is not None
                     or req.num_output_tokens < p.min_tokens):
-                return 1
-            k = min(k, p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
-        if k <= 1:
-            return 1
+                return None
+            limits.append(min(k, p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens))
+        if max(limits) < k:
+            return None
         cow: list[tuple[int, int]] = []
-        ok = self.scheduler.reserve_lookahead([sr.request for sr in out.scheduled], k - 1, cow)
+        ok = all(self.scheduler.reserve_lookahead([sr.request], n - 1, cow) for sr, n in zip(out.scheduled, limits))
         self.runner.copy_blocks(cow)
-        return k if ok else 1
+        return limits if ok else None
 
-    def _run_decode_loop(self, out: SchedulerOutput, k: int):
+    def _run_decode_loop(self, out: SchedulerOutput, limits: list[int]):
+        k = self.config.decode_steps
         reqs = [sr.request for sr in out.scheduled]
         rows = [RowInput(sr.token_ids, sr.start_pos, list(sr.request.block_ids)) for sr in out.scheduled]
         banned = np.full((k, len(reqs), 1), -1, np.int32)
-        tokens, _ = self.runner.decode_loop(rows, k, _sampling_tensors(reqs), banned)
+        tokens, _ = self.runner.decode_loop(rows, k, _sampling_tensors(reqs), banned, np.asarray(limits, np.int32))
         self.num_decode_loops += 1
-        return {r.request_id: [int(t) for t in tokens[:, i]] for i, r in enumerate(reqs)}, None
+        return {r.request_id: [int(t) for t in tokens[:n, i]] for i, (r, n) in enumerate(zip(reqs, limits))}, None
 
     # Outputs -------------------------------------------------------------------------------------------------
 

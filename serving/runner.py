@@ -111,7 +111,7 @@ class ModelRunner:
     def _loop_fn(self, num_steps: int):
         graphdef, backend, bs = self.graphdef, self.backend, self.block_size
 
-        def loop(params, kv, tokens, positions, block_tables, active, st: SamplingTensors, banned):
+        def loop(params, kv, tokens, positions, block_tables, limits, st: SamplingTensors, banned):
             model = nnx.merge(graphdef, params)
             s = tokens.shape[0]
             rows = jnp.arange(s)
@@ -119,6 +119,7 @@ class ModelRunner:
 
             def body(i, carry):
                 tok, pos, kv, out_tok, out_lp = carry
+                active = i < limits  # a row past its own limit (or a padding row, limit 0) writes the null page
                 slots = jnp.where(active, block_tables[rows, pos // bs] * bs + pos % bs, 0)
                 kv_lens = jnp.where(active, pos + 1, 0)
                 meta = PagedMeta(slots, block_tables, kv_lens, cu, jnp.int32(s), True, backend)
@@ -166,7 +167,7 @@ class ModelRunner:
         st = SamplingTensors.from_rows([{}] * s)
         st = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), st)
         args = (self.params, self.kv_cache, i32(s), i32(s), i32(s, self.max_blocks),
-                jax.ShapeDtypeStruct((s,), jnp.bool_), st, i32(num_steps, s, self._max_banned))
+                i32(s), st, i32(num_steps, s, self._max_banned))
         return self._executable(("loop", num_steps, s), lambda: self._loop_fn(num_steps), args)
 
     _max_banned = 8
@@ -223,8 +224,9 @@ class ModelRunner:
         return logits
 
     def decode_loop(self, rows: Sequence[RowInput], num_steps: int, st: SamplingTensors,
-                    banned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`num_steps` decode steps on device; every row's table must cover start + num_steps positions.
+                    banned: np.ndarray, limits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`num_steps` decode steps on device; row i computes limits[i] (default num_steps) of them and its table
+        must cover start + limits[i] positions. Tokens past a row's limit are junk.
 
         Returns (tokens [num_steps, len(rows)], logprobs [num_steps, len(rows)]).
         """
@@ -232,15 +234,16 @@ class ModelRunner:
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
         tables = np.zeros((s, self.max_blocks), np.int32)
-        active = np.zeros(s, bool)
+        row_limits = np.zeros(s, np.int32)
+        row_limits[:len(rows)] = num_steps if limits is None else limits
         for i, r in enumerate(rows):
-            tokens[i], positions[i], active[i] = r.token_ids[0], r.start, True
+            tokens[i], positions[i] = r.token_ids[0], r.start
             tables[i, :len(r.block_table)] = r.block_table
         st = pad_sampling(st, s)
         banned_full = np.full((num_steps, s, self._max_banned), -1, np.int32)
         banned_full[:, :len(rows), :banned.shape[-1]] = banned[:, :, :self._max_banned]
         exe = self._get_loop(num_steps, s)
-        out_tok, out_lp, self.kv_cache = exe(self.params, self.kv_cache, tokens, positions, tables, active, st,
+        out_tok, out_lp, self.kv_cache = exe(self.params, self.kv_cache, tokens, positions, tables, row_limits, st,
                                              banned_full)
         return np.asarray(out_tok)[:, :len(rows)], np.asarray(out_lp)[:, :len(rows)]
 
