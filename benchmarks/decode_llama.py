@@ -88,8 +88,17 @@ def main():
     p.add_argument("--block_size", type=int, default=16)
     p.add_argument("--backend", default=None)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no_attention", action="store_true",
+                   help="profiling aid: skip the attention kernels (KV still written) to isolate their cost")
     p.add_argument("--out", default="decode_llama.json")
     a = p.parse_args()
+    if a.no_attention:
+        from model import kv
+
+        def attend_without_kernel(self, q, k, v, positions, cache):
+            return q, (kv.write_pages(cache[0], k[0], self.slot_mapping), kv.write_pages(cache[1], v[0], self.slot_mapping))
+
+        kv.PagedMeta.attend = attend_without_kernel
     res = bench(a.preset, [int(x) for x in a.batches.split(",")], a.ctx, a.steps, a.block_size, a.backend,
                 a.repeats)
     with open(a.out, "w") as f:

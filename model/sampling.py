@@ -117,12 +117,18 @@ def sample(logits_bv: jax.Array, st: SamplingTensors, output_ids_bl: jax.Array |
         banned = jnp.zeros(logits.shape, bool).at[rows, jnp.where(banned_ids_bn >= 0, banned_ids_bn, 0)].max(
             banned_ids_bn >= 0)
         logits = jnp.where(banned, NEG_INF, logits)
-    greedy_tok = jnp.argmax(logits, axis=-1)
-    filtered = filter_logits(logits, st)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(st.seed, st.step)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-    sampled_tok = jnp.argmax(filtered + gumbel, axis=-1)
-    tokens = jnp.where(st.temperature > 0, sampled_tok, greedy_tok).astype(jnp.int32)
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        filtered = filter_logits(logits, st)
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(st.seed, st.step)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+        return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+
+    # An all-greedy batch skips the vocabulary sort and the Gumbel noise (a large share of a decode step at
+    # batch 1 with a 128k vocabulary).
+    sampled_tok = jax.lax.cond(jnp.any(st.temperature > 0), draw, lambda _: greedy_tok, None)
+    tokens = jnp.where(st.temperature > 0, sampled_tok, greedy_tok)
     chosen_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs:
         top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
