@@ -3,17 +3,20 @@
 Requests are pydantic models that reject unknown top-level fields (as OpenAI does), NaN/Infinity and values
 outside OpenAI's ranges; their JSON schema is what /openapi.json publishes and what the fuzz test explores.
 Extensions beyond OpenAI use vLLM's names (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids). Responses are plain dicts in OpenAI's shapes.
+stop_token_ids). Responses are plain dicts in OpenAI's shapes: `CompletionFormat` and `ChatFormat` build the
+whole response of a finished request, or the server-sent-event chunks of a streamed one from engine outputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from typing import Any, Literal, Sequence
+from typing import Any, AsyncIterator, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from serving.async_engine import EngineError, RequestStream
 from serving.request import SamplingParams
 
 # OpenAI's logprob floor for tokens the model gives no probability (JSON has no -Infinity).
@@ -65,7 +68,7 @@ class _SamplingRequest(_Strict):
     # Extensions (vLLM's names).
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=64)
@@ -76,13 +79,24 @@ class _SamplingRequest(_Strict):
             check_text(s, "stop")
         return tuple(s for s in stops if s)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Engine parameters (OpenAI defaults: temperature 1, top_p 1); raises OpenAIError when invalid."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        """Engine parameters (OpenAI defaults: temperature 1, top_p 1); raises OpenAIError when invalid.
+
+        Values the device would overflow on are normalised: top_k >= vocab_size is off, a temperature below
+        1e-5 is greedy (as in vLLM), and stop_token_ids must be vocabulary ids.
+        """
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(400, f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}",
+                              param="stop_token_ids")
+        top_k = _default(self.top_k, 0)
+        temperature = _default(self.temperature, 1.0)
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=_default(self.temperature, 1.0), top_p=_default(self.top_p, 1.0),
-            top_k=max(0, _default(self.top_k, 0)), min_p=_default(self.min_p, 0.0),
+            max_tokens=max_tokens, temperature=0.0 if temperature < 1e-5 else temperature,
+            top_p=_default(self.top_p, 1.0), top_k=0 if top_k < 0 or top_k >= vocab_size else top_k,
+            min_p=_default(self.min_p, 0.0),
             repetition_penalty=_default(self.repetition_penalty, 1.0),
             presence_penalty=_default(self.presence_penalty, 0.0),
             frequency_penalty=_default(self.frequency_penalty, 0.0), seed=self.seed, stop=self.stop_strings(),
@@ -228,3 +242,126 @@ def chat_logprobs(token_text, token_ids: Sequence[int], entries: Sequence[Any]) 
                         "top_logprobs": [{"token": token_text(i), "logprob": finite_logprob(v),
                                           "bytes": list(token_text(i).encode("utf-8"))} for i, v in top]})
     return content
+
+
+# Choices and response formats ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Choice:
+    """One sequence of a response: an engine request and what it has produced so far."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Any] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False  # a stream chunk has been sent for this choice
+
+
+def check_output(out) -> None:
+    if out.finish_reason == "error":
+        raise EngineError(out.finish_message or "the engine failed this request")
+
+
+def absorb(c: Choice, out) -> None:
+    c.text.append(out.text)
+    c.token_ids.extend(out.new_token_ids)
+    if out.new_logprobs:
+        c.logprobs.extend(out.new_logprobs)
+    if out.finished:
+        c.finish_reason = out.finish_reason
+
+
+def num_tokens(choices: list[Choice]) -> int:
+    return sum(len(c.token_ids) for c in choices)
+
+
+def attach_usage(chunk: dict, stream: RequestStream, choices, n_prompt: int, include_usage: bool) -> None:
+    """OpenAI puts usage only in the extra last chunk (include_usage); we also put it in the chunk that ends
+    the stream, so that clients without stream_options see it."""
+    chunk["usage"] = None
+    if stream.finished and not include_usage:
+        chunk["usage"] = usage(n_prompt, num_tokens(choices))
+
+
+class CompletionFormat:
+    def __init__(self, rid: str, model: str, token_text, echo: list[str]):
+        self.rid, self.model, self.token_text, self.echo = rid, model, token_text, echo
+        self.created = envelope(rid, "", model)["created"]
+
+    def _head(self) -> dict:
+        return envelope(self.rid, "text_completion", self.model, self.created)
+
+    def response(self, choices: list[Choice], n_prompt: int) -> dict:
+        out = self._head()
+        out["choices"] = []
+        for c in choices:
+            lp = CompletionLogprobs(self.token_text).block(c.token_ids, c.logprobs) if c.logprobs else None
+            out["choices"].append({"index": c.index, "text": self.echo[c.prompt_index] + "".join(c.text),
+                                   "logprobs": lp, "finish_reason": c.finish_reason})
+        out["usage"] = usage(n_prompt, sum(len(c.token_ids) for c in choices))
+        return out
+
+    async def chunks(self, stream: RequestStream, choices: list[Choice], n_prompt: int,
+                     include_usage: bool) -> AsyncIterator[dict]:
+        by_id = {c.request_id: c for c in choices}
+        lps = {c.request_id: CompletionLogprobs(self.token_text) for c in choices}
+        async for out in stream:
+            c = by_id[out.request_id]
+            check_output(out)
+            absorb(c, out)
+            lp = lps[c.request_id].block(out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
+            text = ("" if c.started else self.echo[c.prompt_index]) + out.text
+            if not (text or lp or out.finished):
+                continue
+            c.started = True
+            chunk = self._head()
+            chunk["choices"] = [{"index": c.index, "text": text, "logprobs": lp,
+                                 "finish_reason": c.finish_reason}]
+            attach_usage(chunk, stream, choices, n_prompt, include_usage)
+            yield chunk
+        if include_usage:
+            yield self._head() | {"choices": [], "usage": usage(n_prompt, num_tokens(choices))}
+
+
+class ChatFormat:
+    def __init__(self, rid: str, model: str, token_text):
+        self.rid, self.model, self.token_text = rid, model, token_text
+        self.created = envelope(rid, "", model)["created"]
+
+    def _head(self, obj: str) -> dict:
+        return envelope(self.rid, obj, self.model, self.created)
+
+    def response(self, choices: list[Choice], n_prompt: int) -> dict:
+        out = self._head("chat.completion")
+        out["choices"] = [{
+            "index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": {"content": chat_logprobs(self.token_text, c.token_ids, c.logprobs)} if c.logprobs else None,
+            "finish_reason": c.finish_reason} for c in choices]
+        out["usage"] = usage(n_prompt, num_tokens(choices))
+        return out
+
+    async def chunks(self, stream: RequestStream, choices: list[Choice], n_prompt: int,
+                     include_usage: bool) -> AsyncIterator[dict]:
+        by_id = {c.request_id: c for c in choices}
+        head = self._head("chat.completion.chunk")
+        yield head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None} for c in choices]}
+        async for out in stream:
+            c = by_id[out.request_id]
+            check_output(out)
+            absorb(c, out)
+            lp = ({"content": chat_logprobs(self.token_text, out.new_token_ids, out.new_logprobs)}
+                  if out.new_logprobs else None)
+            if not (out.text or lp or out.finished):
+                continue
+            chunk = dict(head)
+            chunk["choices"] = [{"index": c.index, "delta": {"content": out.text} if out.text else {},
+                                 "logprobs": lp, "finish_reason": c.finish_reason}]
+            attach_usage(chunk, stream, choices, n_prompt, include_usage)
+            yield chunk
+        if include_usage:
+            yield head | {"choices": [], "usage": usage(n_prompt, num_tokens(choices))}

@@ -38,8 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.async_engine import (AsyncEngine, EngineError, EngineNotReadyError, QueueFullError, RequestSpec,
                                   RequestStream)
 from serving.metrics import CONTENT_TYPE, ServerMetrics
-from serving.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, OpenAIError,
-                              chat_logprobs, check_text, envelope, error_body, usage)
+from serving.protocol import (ChatCompletionRequest, ChatFormat, Choice, CompletionFormat, CompletionRequest,
+                              OpenAIError, absorb, check_output, check_text, error_body)
 
 log = logging.getLogger("serving.server")
 
@@ -70,20 +70,6 @@ class ServerState:
         if name != self.model_name:
             raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
                               param="model", code="model_not_found")
-
-
-@dataclasses.dataclass
-class _Choice:
-    """One sequence of a response: an engine request and what it has produced so far."""
-
-    index: int
-    request_id: str
-    prompt_index: int
-    text: list[str] = dataclasses.field(default_factory=list)
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[Any] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    started: bool = False  # a stream chunk has been sent for this choice
 
 
 # Application ---------------------------------------------------------------------------------------------------
@@ -281,58 +267,18 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     max_tokens = body.max_tokens or 16
     for _, ids in prompts:
         _check_context(llm, len(ids), max_tokens, "prompt")
-    params = body.sampling_params(max_tokens, body.logprobs)
+    params = body.sampling_params(max_tokens, body.logprobs, llm.config.vocab_size)
     rid = f"cmpl-{uuid.uuid4().hex}"
     choices, specs = _fan_out(rid, prompts, params, body.n)
     stream = await _submit(state, specs)
     n_prompt = sum(len(ids) for _, ids in prompts)
     echo = [(text if text is not None else llm.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
-    fmt = _CompletionFormat(rid, state.model_name, llm.tokenizer.token_text, echo)
+    fmt = CompletionFormat(rid, state.model_name, llm.tokenizer.token_text, echo)
     if body.stream:
         return _sse(state, stream, request, fmt.chunks(stream, choices, n_prompt, body.include_usage), n_prompt,
                     choices)
     await _collect(state, stream, request, choices, n_prompt)
     return fmt.response(choices, n_prompt)
-
-
-class _CompletionFormat:
-    def __init__(self, rid: str, model: str, token_text, echo: list[str]):
-        self.rid, self.model, self.token_text, self.echo = rid, model, token_text, echo
-        self.created = envelope(rid, "", model)["created"]
-
-    def _head(self) -> dict:
-        return envelope(self.rid, "text_completion", self.model, self.created)
-
-    def response(self, choices: list[_Choice], n_prompt: int) -> dict:
-        out = self._head()
-        out["choices"] = []
-        for c in choices:
-            lp = CompletionLogprobs(self.token_text).block(c.token_ids, c.logprobs) if c.logprobs else None
-            out["choices"].append({"index": c.index, "text": self.echo[c.prompt_index] + "".join(c.text),
-                                   "logprobs": lp, "finish_reason": c.finish_reason})
-        out["usage"] = usage(n_prompt, sum(len(c.token_ids) for c in choices))
-        return out
-
-    async def chunks(self, stream: RequestStream, choices: list[_Choice], n_prompt: int,
-                     include_usage: bool) -> AsyncIterator[dict]:
-        by_id = {c.request_id: c for c in choices}
-        lps = {c.request_id: CompletionLogprobs(self.token_text) for c in choices}
-        async for out in stream:
-            c = by_id[out.request_id]
-            _check_output(out)
-            _absorb(c, out)
-            lp = lps[c.request_id].block(out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
-            text = ("" if c.started else self.echo[c.prompt_index]) + out.text
-            if not (text or lp or out.finished):
-                continue
-            c.started = True
-            chunk = self._head()
-            chunk["choices"] = [{"index": c.index, "text": text, "logprobs": lp,
-                                 "finish_reason": c.finish_reason}]
-            _attach_usage(chunk, stream, choices, n_prompt, include_usage)
-            yield chunk
-        if include_usage:
-            yield self._head() | {"choices": [], "usage": usage(n_prompt, _num_tokens(choices))}
 
 
 # Chat ----------------------------------------------------------------------------------------------------------
@@ -351,11 +297,12 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or max(1, llm.max_model_len - len(ids))
     _check_context(llm, len(ids), max_tokens, "messages")
-    params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                                  llm.config.vocab_size)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices, specs = _fan_out(rid, [(text, ids)], params, body.n)
     stream = await _submit(state, specs)
-    fmt = _ChatFormat(rid, state.model_name, llm.tokenizer.token_text)
+    fmt = ChatFormat(rid, state.model_name, llm.tokenizer.token_text)
     if body.stream:
         return _sse(state, stream, request, fmt.chunks(stream, choices, len(ids), body.include_usage), len(ids),
                     choices)
@@ -363,57 +310,17 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     return fmt.response(choices, len(ids))
 
 
-class _ChatFormat:
-    def __init__(self, rid: str, model: str, token_text):
-        self.rid, self.model, self.token_text = rid, model, token_text
-        self.created = envelope(rid, "", model)["created"]
-
-    def _head(self, obj: str) -> dict:
-        return envelope(self.rid, obj, self.model, self.created)
-
-    def response(self, choices: list[_Choice], n_prompt: int) -> dict:
-        out = self._head("chat.completion")
-        out["choices"] = [{
-            "index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": {"content": chat_logprobs(self.token_text, c.token_ids, c.logprobs)} if c.logprobs else None,
-            "finish_reason": c.finish_reason} for c in choices]
-        out["usage"] = usage(n_prompt, _num_tokens(choices))
-        return out
-
-    async def chunks(self, stream: RequestStream, choices: list[_Choice], n_prompt: int,
-                     include_usage: bool) -> AsyncIterator[dict]:
-        by_id = {c.request_id: c for c in choices}
-        head = self._head("chat.completion.chunk")
-        yield head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None} for c in choices]}
-        async for out in stream:
-            c = by_id[out.request_id]
-            _check_output(out)
-            _absorb(c, out)
-            lp = ({"content": chat_logprobs(self.token_text, out.new_token_ids, out.new_logprobs)}
-                  if out.new_logprobs else None)
-            if not (out.text or lp or out.finished):
-                continue
-            chunk = dict(head)
-            chunk["choices"] = [{"index": c.index, "delta": {"content": out.text} if out.text else {},
-                                 "logprobs": lp, "finish_reason": c.finish_reason}]
-            _attach_usage(chunk, stream, choices, n_prompt, include_usage)
-            yield chunk
-        if include_usage:
-            yield head | {"choices": [], "usage": usage(n_prompt, _num_tokens(choices))}
-
-
 # Shared plumbing -----------------------------------------------------------------------------------------------
 
 
-def _fan_out(rid: str, prompts, params, n: int) -> tuple[list[_Choice], list[RequestSpec]]:
+def _fan_out(rid: str, prompts, params, n: int) -> tuple[list[Choice], list[RequestSpec]]:
     """One engine request per (prompt, choice); a seeded request gives choice i the seed + i."""
     choices, specs = [], []
     for p, (text, ids) in enumerate(prompts):
         for i in range(n):
             index = p * n + i
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-            choices.append(_Choice(index, f"{rid}-{index}", p))
+            choices.append(Choice(index, f"{rid}-{index}", p))
             specs.append(RequestSpec(f"{rid}-{index}", ids, seeded, text))
     return choices, specs
 
@@ -433,45 +340,19 @@ async def _submit(state: ServerState, specs: list[RequestSpec]) -> RequestStream
         raise OpenAIError(400, str(e)) from e
 
 
-def _check_output(out) -> None:
-    if out.finish_reason == "error":
-        raise EngineError(out.finish_message or "the engine failed this request")
-
-
-def _absorb(c: _Choice, out) -> None:
-    c.text.append(out.text)
-    c.token_ids.extend(out.new_token_ids)
-    if out.new_logprobs:
-        c.logprobs.extend(out.new_logprobs)
-    if out.finished:
-        c.finish_reason = out.finish_reason
-
-
-def _num_tokens(choices: list[_Choice]) -> int:
-    return sum(len(c.token_ids) for c in choices)
-
-
-def _attach_usage(chunk: dict, stream: RequestStream, choices, n_prompt: int, include_usage: bool) -> None:
-    """OpenAI puts usage only in the extra last chunk (include_usage); we also put it in the chunk that ends
-    the stream, so that clients without stream_options see it."""
-    chunk["usage"] = None
-    if stream.finished and not include_usage:
-        chunk["usage"] = usage(n_prompt, _num_tokens(choices))
-
-
-def _finish_reasons(choices: list[_Choice]) -> dict[str, str | None]:
+def _finish_reasons(choices: list[Choice]) -> dict[str, str | None]:
     return {c.request_id: c.finish_reason for c in choices}
 
 
-async def _collect(state: ServerState, stream: RequestStream, request: Request, choices: list[_Choice],
+async def _collect(state: ServerState, stream: RequestStream, request: Request, choices: list[Choice],
                    n_prompt: int) -> None:
     """Gathers every output of a non-streaming request, aborting it if the client goes away first."""
     by_id = {c.request_id: c for c in choices}
 
     async def gather():
         async for out in stream:
-            _check_output(out)
-            _absorb(by_id[out.request_id], out)
+            check_output(out)
+            absorb(by_id[out.request_id], out)
 
     work = asyncio.ensure_future(gather())
     watch = asyncio.ensure_future(_wait_disconnect(request))
@@ -495,7 +376,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _sse(state: ServerState, stream: RequestStream, request: Request, chunks: AsyncIterator[dict], n_prompt: int,
-         choices: list[_Choice]) -> StreamingResponse:
+         choices: list[Choice]) -> StreamingResponse:
     """Server-sent events; a disconnect cancels this generator (Starlette), whose `finally` aborts the request."""
 
     async def events():
