@@ -109,7 +109,8 @@ def config_from_metadata(reader, meta: GGUFMetadata, eos_token_ids: tuple[int, .
         scaling = RopeScaling(
                 factor=float(_field(reader, f"{a}.rope.scaling.factor", 8.0)),
                 original_max_position_embeddings=int(_field(reader, f"{a}.rope.scaling.original_context_length", 8192)))
-    vocab = _field(reader, f"{a}.vocab_size") or len(meta.tokens)
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = _field(reader, f"{a}.vocab_size") or len(meta.tokens) or (int(embed.shape[-1]) if embed else 0)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return ModelConfig(
             name=str(meta.name),
