@@ -1,0 +1,119 @@
+"""Offline throughput of the whole engine (scheduler + runner + kernels) at real shapes with random weights.
+
+    PYTHONPATH=. python benchmarks/throughput.py --preset llama3_8b --num_requests 1000 --input_len 1000 \
+        --output_len 1000 --max_num_seqs 256 --max_num_batched_tokens 8192
+
+All requests arrive at t=0 with random prompt ids and `ignore_eos`, so every one produces exactly output_len
+tokens (as vLLM's and TensorRT-LLM's throughput benchmarks do). Reports output tokens/s, total tokens/s, time to
+first token (p50/p99), model init, KV pool size and compile time (executables compiled while running), and writes
+JSON to --out. `--time_limit` stops early and reports what finished, so a device call always returns figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+from model.transformer import random_model
+from serving.engine import LLMEngine
+from serving.request import SamplingParams
+
+
+class _NullDetokenizer:
+    ids: list
+
+    def __init__(self):
+        self.ids = []
+
+    def add(self, new_ids):
+        self.ids.extend(new_ids)
+        return ""
+
+    def flush(self):
+        return ""
+
+
+class NullTokenizer:
+    """Random-weight models have no vocabulary: the benchmark streams ids, not text."""
+
+    def detokenizer(self):
+        return _NullDetokenizer()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama3_8b")
+    p.add_argument("--num_requests", type=int, default=1000)
+    p.add_argument("--input_len", type=int, default=1000)
+    p.add_argument("--output_len", type=int, default=1000)
+    p.add_argument("--max_num_seqs", type=int, default=256)
+    p.add_argument("--max_num_batched_tokens", type=int, default=8192)
+    p.add_argument("--block_size", type=int, default=16)
+    p.add_argument("--decode_steps", type=int, default=8)
+    p.add_argument("--memory_fraction", type=float, default=0.85)
+    p.add_argument("--time_limit", type=float, default=400.0)
+    p.add_argument("--out", default="throughput.json")
+    a = p.parse_args()
+
+    cfg = ModelConfig.preset(a.preset)
+    t0 = time.perf_counter()
+    model = random_model(cfg, jnp.bfloat16)
+    jax.block_until_ready(model.embed.weight[...])
+    init_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, NullTokenizer(), max_model_len=a.input_len + a.output_len + a.block_size,
+                       max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                       block_size=a.block_size, kv_cache_memory_fraction=a.memory_fraction,
+                       decode_steps=a.decode_steps, enable_prefix_caching=False)
+    engine_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    rids = [engine.add_request(rng.integers(100, cfg.vocab_size, a.input_len).tolist(), params)
+            for _ in range(a.num_requests)]
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    out_tokens = 0
+    compile_s = 0.0
+    steps = 0
+    while engine.has_unfinished() and time.perf_counter() - start < a.time_limit:
+        before = engine.runner.num_compiles
+        t_step = time.perf_counter()
+        outs = engine.step()
+        if engine.runner.num_compiles != before:
+            compile_s += time.perf_counter() - t_step
+        steps += 1
+        now = time.perf_counter()
+        for o in outs:
+            out_tokens += len(o.new_token_ids)
+            first.setdefault(o.request_id, now)
+            if o.finished:
+                done[o.request_id] = now
+    wall = time.perf_counter() - start
+    ttft = np.array([first[r] - start for r in rids if r in first])
+    res = {
+        "device": str(jax.devices()[0].device_kind), "preset": a.preset, "num_requests": a.num_requests,
+        "input_len": a.input_len, "output_len": a.output_len, "max_num_seqs": a.max_num_seqs,
+        "max_num_batched_tokens": a.max_num_batched_tokens, "decode_steps": a.decode_steps,
+        "finished": len(done), "wall_s": wall, "compile_s_during_run": compile_s, "executables": engine.runner.num_compiles,
+        "steps": steps, "decode_loops": engine.num_decode_loops, "num_kv_blocks": engine.runner.num_blocks,
+        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
+        "output_tokens_per_s_excl_compile": out_tokens / max(wall - compile_s, 1e-9),
+        "total_tokens_per_s_excl_compile": (out_tokens + len(first) * a.input_len) / max(wall - compile_s, 1e-9),
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
+        "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
+        "model_init_s": init_s, "engine_init_s": engine_s, "preemptions": engine.scheduler.num_preemptions,
+    }
+    print(json.dumps(res, indent=1), flush=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
