@@ -111,7 +111,32 @@ def create_app(llm_factory: Callable[[], Any], *, model_name: str = DEFAULT_MODE
     fastapi_app.state.server = state
     _install_error_handlers(fastapi_app)
     _add_routes(fastapi_app, state)
+    _describe_api(fastapi_app, model_name)
     return _StatusMetrics(fastapi_app, state.metrics)
+
+
+def _describe_api(fastapi_app: FastAPI, model_name: str) -> None:
+    """Makes /openapi.json say what this server accepts: the served model name (an enum, so that fuzzers reach
+    generation instead of 404s), one example per request, and 400 rather than FastAPI's 422 for bad bodies."""
+    examples = {"CompletionRequest": {"model": model_name, "prompt": "Hello", "max_tokens": 8},
+                "ChatCompletionRequest": {"model": model_name, "max_tokens": 8,
+                                          "messages": [{"role": "user", "content": "Hello"}]}}
+
+    def openapi() -> dict:
+        if fastapi_app.openapi_schema is None:
+            schema = FastAPI.openapi(fastapi_app)
+            for name, example in examples.items():
+                component = schema["components"]["schemas"][name]
+                component["properties"]["model"]["enum"] = [model_name]
+                component["examples"] = [example]
+            for path in schema["paths"].values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            schema["components"]["schemas"].pop("HTTPValidationError", None)
+            schema["components"]["schemas"].pop("ValidationError", None)
+        return fastapi_app.openapi_schema
+
+    fastapi_app.openapi = openapi
 
 
 def _warmup(engine) -> None:
