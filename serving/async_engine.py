@@ -151,6 +151,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopping = False
+        self._dead = False
+        self._dead_lock = threading.Lock()
         self.engine = None
         self.load_error: BaseException | None = None
         self.stats = EngineStats()
@@ -202,7 +204,10 @@ class AsyncEngine:
         if not self.ready:
             raise EngineNotReadyError(self._not_ready_reason())
         stream = RequestStream([s.request_id for s in specs])
-        self._commands.put(("add", stream, tuple(specs)))
+        with self._dead_lock:  # so that _die either sees this command or submit sees _dead
+            if self._dead:
+                raise EngineNotReadyError(self._not_ready_reason())
+            self._commands.put(("add", stream, tuple(specs)))
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:
@@ -220,11 +225,13 @@ class AsyncEngine:
     def _not_ready_reason(self) -> str:
         if self.load_error is not None:
             return f"the model failed to load: {self.load_error}"
+        if self._dead:
+            return "the engine loop has stopped after an internal error"
         if self._stopping:
             return "the server is shutting down"
         if not self._ready.is_set():
             return "the model is still loading"
-        return "the engine thread has stopped"
+        return "the engine loop has stopped"
 
     # Engine thread -------------------------------------------------------------------------------------------
 
@@ -242,6 +249,13 @@ class AsyncEngine:
         self._publish_stats()
         self._ready.set()
         log.info("engine ready after %.1f s", self.load_seconds)
+        try:
+            self._loop_forever()
+        except BaseException as e:  # noqa: BLE001 - a dead loop must not leave requests waiting forever
+            log.exception("engine loop died")
+            self._die(EngineError(f"the engine loop stopped: {type(e).__name__}: {e}"))
+
+    def _loop_forever(self) -> None:
         while True:
             busy = self.engine.has_unfinished()
             for cmd in self._take_commands(block=not busy):
@@ -255,6 +269,23 @@ class AsyncEngine:
                 self._publish_stats()
                 return
             self._publish_stats()
+
+    def _die(self, error: EngineError) -> None:
+        """Fails every stream, in flight or still queued as a command (submit refuses new ones from now on)."""
+        self._stopping = True
+        streams = {id(s): s for s in self._streams.values()}
+        self._streams.clear()
+        with self._dead_lock:
+            self._dead = True
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                streams[id(cmd[1])] = cmd[1]
+        for stream in streams.values():
+            self._post(stream, error)
 
     def _take_commands(self, block: bool) -> list[tuple]:
         cmds = []

@@ -363,6 +363,8 @@ async def _submit(state: ServerState, specs: list[RequestSpec]) -> RequestStream
                           headers={"Retry-After": "5"}) from e
     except ValueError as e:
         raise OpenAIError(400, str(e)) from e
+    except EngineError as e:
+        raise OpenAIError(500, f"generation failed: {e}", type="server_error", code="engine_error") from e
 
 
 def _finish_reasons(choices: list[Choice]) -> dict[str, str | None]:

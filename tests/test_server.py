@@ -30,6 +30,8 @@ ENGINE_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, attention_backe
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three primary colours are"]
 CHAT = "Name a colour."
 MAX_TOKENS = 12
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pallas-serve", "xla-tests")
 
 
 def _free_port() -> int:
@@ -75,7 +77,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live():
-    srv.enable_compilation_cache(os.path.join(os.path.expanduser("~"), ".cache", "pallas-serve", "xla-tests"))
+    srv.enable_compilation_cache(CACHE_DIR)
     from serving.llm import LLM
 
     llm = LLM(max_model_len=MAX_MODEL_LEN, **ENGINE_OPTIONS)
@@ -100,6 +102,118 @@ def live():
     yield Live(llm, asgi, server, thread, url, ref, chat_ref)
     server.should_exit = True
     thread.join(timeout=120)
+
+
+# AsyncEngine over a fake engine (no model) ----------------------------------------------------------------------
+
+
+class _FakeScheduler:
+    def __init__(self):
+        self.requests: dict[str, int] = {}  # request id -> tokens left
+        self.num_waiting = 0
+
+    def stats(self):
+        from serving.scheduler import SchedulerStats
+
+        return SchedulerStats(self.num_waiting, len(self.requests), 10, 0, 0, 0, 0, 0)
+
+
+class _FakeEngine:
+    """LLMEngine's interface: each step emits one token "x" per request; `fail` makes the loop itself raise."""
+
+    def __init__(self):
+        self.scheduler = _FakeScheduler()
+        self.num_steps = 0
+        self.fail_loop = False
+
+    def add_request(self, ids, params, request_id, prompt=None):
+        if not ids:
+            raise ValueError("prompt is empty")
+        self.scheduler.requests[request_id] = params.max_tokens
+
+    def has_unfinished(self):
+        if self.fail_loop:
+            raise RuntimeError("loop bug")
+        return bool(self.scheduler.requests)
+
+    def abort(self, request_id):
+        self.scheduler.requests.pop(request_id, None)
+
+    def pop_finished(self, request_id):
+        return None
+
+    def step(self):
+        from serving.request import RequestOutput
+
+        time.sleep(0.01)
+        self.num_steps += 1
+        outs = []
+        for rid in list(self.scheduler.requests):
+            self.scheduler.requests[rid] -= 1
+            done = self.scheduler.requests[rid] == 0
+            if done:
+                del self.scheduler.requests[rid]
+            outs.append(RequestOutput(rid, [7], done, "length" if done else None, "x"))
+        return outs
+
+
+def test_async_engine_streams_refuses_and_aborts():
+    from serving.async_engine import AsyncEngine, QueueFullError, RequestSpec
+    from serving.request import SamplingParams
+
+    fake = _FakeEngine()
+
+    async def run():
+        eng = AsyncEngine(lambda: fake, max_queue=2)
+        eng.start()
+        await asyncio.to_thread(eng.wait_ready, 10)
+        stream = await eng.submit([RequestSpec("a", [1], SamplingParams(max_tokens=3)),
+                                   RequestSpec("b", [1], SamplingParams(max_tokens=2))])
+        texts = {"a": "", "b": ""}
+        async for out in stream:
+            texts[out.request_id] += out.text
+        assert texts == {"a": "xxx", "b": "xx"} and stream.num_output_tokens == {"a": 3, "b": 2}
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await eng.submit([RequestSpec("c", [1], SamplingParams()), RequestSpec("d", [], SamplingParams())])
+        assert "c" not in fake.scheduler.requests  # the half-added request was taken back
+        fake.scheduler.num_waiting = 2
+        with pytest.raises(QueueFullError):
+            await eng.submit([RequestSpec("e", [1], SamplingParams())])
+        fake.scheduler.num_waiting = 0
+        long = await eng.submit([RequestSpec("f", [1], SamplingParams(max_tokens=10 ** 6))])
+        await long.next_output()
+        eng.abort(long)
+        for _ in range(100):
+            if not fake.scheduler.requests:
+                break
+            await asyncio.sleep(0.02)
+        assert not fake.scheduler.requests
+        await eng.shutdown()
+        assert not eng.is_alive
+
+    asyncio.run(run())
+
+
+def test_async_engine_loop_failure_fails_streams_instead_of_hanging():
+    from serving.async_engine import AsyncEngine, EngineError, EngineNotReadyError, RequestSpec
+    from serving.request import SamplingParams
+
+    fake = _FakeEngine()
+
+    async def run():
+        eng = AsyncEngine(lambda: fake)
+        eng.start()
+        await asyncio.to_thread(eng.wait_ready, 10)
+        stream = await eng.submit([RequestSpec("a", [1], SamplingParams(max_tokens=10 ** 6))])
+        await stream.next_output()
+        fake.fail_loop = True
+        with pytest.raises(EngineError, match="loop bug"):
+            while await asyncio.wait_for(stream.next_output(), 10) is not None:
+                pass
+        with pytest.raises(EngineNotReadyError, match="stopped"):
+            await eng.submit([RequestSpec("b", [1], SamplingParams())])
+
+    asyncio.run(run())
 
 
 # The OpenAI client and parity with LLM.generate ---------------------------------------------------------------
@@ -340,6 +454,47 @@ def test_engine_error_fails_requests_then_recovers(live):
     out = live.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
     assert out.choices[0].text == live.ref[0].text
     assert live.metrics()["pallas_serve_engine_step_failures"] == 2
+
+
+def test_binary_serves_with_api_key_and_exits_0_on_sigterm(live, tmp_path):
+    """The absl binary itself: flags, API key, a real SIGTERM mid-stream (drained), exit status 0. Compiles hit the
+    persistent cache that the module's server filled (same shapes)."""
+    port = _free_port()
+    flags = ["--port", str(port), "--api_key", "k3y", "--max_model_len", str(MAX_MODEL_LEN), "--max_num_seqs", "8",
+             "--max_num_batched_tokens", "64", "--attention_backend", "xla", "--decode_steps", "1",
+             "--log_level", "warning", "--compilation_cache_dir", CACHE_DIR]
+    proc = subprocess.Popen([sys.executable, "-m", "serving.server", *flags], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "binary did not become healthy"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        text, lines = "", []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300,
+                          headers={"Authorization": "Bearer k3y"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and not lines:
+                    proc.send_signal(signal.SIGTERM)  # after the first chunk: the rest must still arrive
+                if line.startswith("data: "):
+                    lines.append(line)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == live.ref[0].text
 
 
 # Fuzzing --------------------------------------------------------------------------------------------------------
