@@ -154,11 +154,11 @@ def make_engine(model, tokenizer, max_model_len: int, num_seqs: int):
 
 
 def warm_sampler(engine) -> None:
-    """Compiles the jitted sampler for every row bucket (warmup covers the model steps only) with b tiny
-    requests per bucket b, so that no measured run pays a compilation."""
+    """Compiles what `warmup` does not (the jitted sampler per row bucket, the small eager gathers and pads of
+    the sampled rows per row count) with b tiny requests for every b, so that no measured run pays a compile."""
     from serving.request import SamplingParams
 
-    for b in engine.runner.decode_buckets:
+    for b in range(1, engine.config.max_num_seqs + 1):
         reset(engine, enable_prefix_caching=False)
         for i in range(b):
             engine.add_request([100 + i] * 4, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -189,6 +189,7 @@ class RunLog:
     first_token_s: dict = dataclasses.field(default_factory=dict)  # request id -> seconds from t0
     done_s: dict = dataclasses.field(default_factory=dict)  # request id -> seconds its useful tokens were all out
     kv: list = dataclasses.field(default_factory=list)  # per step: (passes, allocated/reserved, used)
+    steps: list = dataclasses.field(default_factory=list)  # per step: (seconds from t0, passes, tokens out)
 
 
 def drive(engine, t0: float, want: dict, log: RunLog, reserved: int | None = None, lengths: dict | None = None):
@@ -204,6 +205,7 @@ def drive(engine, t0: float, want: dict, log: RunLog, reserved: int | None = Non
         before = forward_passes(engine)
         outputs = engine.step()
         now = time.perf_counter() - t0
+        log.steps.append((now, forward_passes(engine) - before, sum(len(o.new_token_ids) for o in outputs)))
         for o in outputs:
             if o.request_id not in counts:
                 continue
@@ -373,13 +375,17 @@ def mode_latency(model, tokenizer, vocab: int) -> dict:
         log = RunLog()
         t0 = time.perf_counter()
         drive(engine, t0, {r: FLAGS.latency_tokens for r in rids}, log)
-        first = max(log.first_token_s.values())
-        decode_s = log.seconds - first
+        # Steady batch-N decode: the window from the last request's first token (every prefill done) to the first
+        # request's last token (nobody has left yet).
+        start, end = max(log.first_token_s.values()), min(log.done_s.values())
+        window = [(p, n) for t, p, n in log.steps if start < t <= end]
+        if not window:
+            raise app.UsageError("--latency_tokens is too small to leave a decode window after the prefills")
+        passes, tokens = map(sum, zip(*window))
         results[f"batch_{batch}"] = dict(
-            ttft_s=min(log.first_token_s.values()), ttft_last_s=first, seconds=log.seconds,
-            decode_tok_s=batch * (FLAGS.latency_tokens - 1) / decode_s,
-            decode_tok_s_per_seq=(FLAGS.latency_tokens - 1) / decode_s,
-            ms_per_step=1e3 * decode_s / (FLAGS.latency_tokens - 1))
+            ttft_s=min(log.first_token_s.values()), ttft_last_s=start, seconds=log.seconds,
+            decode_window_s=end - start, decode_tok_s=tokens / (end - start),
+            decode_tok_s_per_seq=tokens / batch / (end - start), ms_per_step=1e3 * (end - start) / passes)
     return results
 
 

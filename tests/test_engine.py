@@ -134,7 +134,9 @@ def assert_matches_reference(tracks, prompts, max_tokens, reference):
     for i, (track, p, m) in enumerate(zip(tracks, prompts, max_tokens)):
         ref = reference[(tuple(p), None)]
         assert track.request.output_token_ids == ref, f"request {i} (prompt {len(p)} tokens, max_tokens {m})"
-        assert track.request.finish_reason == ("length" if len(ref) == m and ref[-1] != 2 else "stop")
+        ended_by_eos = ref[-1] in track.request.eos_token_ids
+        assert track.request.finish_reason == ("stop" if ended_by_eos else "length")
+        assert len(ref) == m or ended_by_eos
 
 
 # Greedy exactness ------------------------------------------------------------------------------------------------
