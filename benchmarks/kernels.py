@@ -16,24 +16,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.timing import median_seconds
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _median_seconds(fn, *args, iters: int = 20, reps: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return sorted(times)[len(times) // 2]
 
 
 def ceilings() -> dict:
@@ -41,14 +30,14 @@ def ceilings() -> dict:
     n = 1 << 30  # 1 Gi bf16 elements = 2 GiB
     x = jnp.ones((n,), jnp.bfloat16)
     copy = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
-    t = _median_seconds(copy, x)
+    t = median_seconds(copy, x)
     out = {"device": str(jax.devices()[0].device_kind), "hbm_copy_TBps": 2 * x.nbytes / t / 1e12}
     m = 8192
     for name, dtype in (("bf16", jnp.bfloat16), ("fp8_e4m3", jnp.float8_e4m3fn)):
         a = jnp.ones((m, m), dtype)
         mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.bfloat16))
         try:
-            out[f"matmul_{name}_TFLOPs"] = 2 * m ** 3 / _median_seconds(mm, a, a) / 1e12
+            out[f"matmul_{name}_TFLOPs"] = 2 * m ** 3 / median_seconds(mm, a, a) / 1e12
         except Exception as e:  # fp8 dots need Hopper; report rather than fail the whole run.
             out[f"matmul_{name}_TFLOPs"] = f"unavailable: {type(e).__name__}"
     return out

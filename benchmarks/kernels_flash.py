@@ -17,8 +17,6 @@ import functools
 import json
 import math
 import os
-import statistics
-import time
 import traceback
 
 import jax
@@ -30,6 +28,7 @@ from pallas_kernels.flash_attention_common import KernelStatic
 from pallas_kernels.flash_attention import BlockSizes, flash_attention
 from pallas_kernels.flash_attention_mgpu import MgpuConfig
 from pallas_kernels.flash_attention_mgpu import forward as mgpu_forward
+from benchmarks.timing import median_seconds
 
 # First H200 run (results/flash_*_triton_first.json): q128k64w8s3 best causal, q64k64w4s3 best full (+1%).
 FWD_CONFIGS = {
@@ -54,15 +53,7 @@ BWD_CONFIGS = {
 
 def time_fn(fn, *args, iters: int = 10, reps: int = 5) -> float:
     """Median seconds per call; the first call (compile + warm-up) is not timed."""
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
+    return median_seconds(fn, *args, iters=iters, reps=reps)
 
 
 def _rel_err(x, ref) -> float:

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
-import time
 import warnings
 
 import jax
@@ -27,6 +25,7 @@ import numpy as np
 
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import ragged_paged_attention as rpa
+from benchmarks.timing import median_seconds
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 BACKEND = "triton"  # --smoke switches to "interpret" with tiny shapes, to check this script on a CPU
@@ -50,16 +49,7 @@ RAGGED_CONFIGS = [rpa.RaggedConfig()] + [
 
 def median_time(fn, *args, iters=None, reps=None):
     """Median seconds per call over `reps` batches of `iters` back-to-back calls (after a warm-up)."""
-    iters, reps = min(iters or 99, TIMING["iters"]), min(reps or 99, TIMING["reps"])
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times)
+    return median_seconds(fn, *args, iters=min(iters or 99, TIMING["iters"]), reps=min(reps or 99, TIMING["reps"]))
 
 
 def make_pool(key, num_seqs, ctx, extra_pages=16):

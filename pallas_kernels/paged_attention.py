@@ -66,13 +66,18 @@ class PagedAttentionConfig:
             raise ValueError(f"block_tokens must be a power of 2 >= 16, got {self.block_tokens}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 or None, got {self.num_splits}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be a power of 2 <= 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        check_triton_params(self.num_warps, self.num_stages)
 
     def pages_per_block(self, page_size: int) -> int:
         return max(1, self.block_tokens // page_size)
+
+
+def check_triton_params(num_warps: int, num_stages: int) -> None:
+    """Shared validation of the Triton launch parameters of the paged kernels' configs."""
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be a power of 2 <= 16, got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
 
 
 def _num_sms() -> int:

@@ -41,6 +41,7 @@ from pallas_kernels.paged_attention import (
     _is_pow2,
     _next_pow2,
     attend_block,
+    check_triton_params,
     compute_dtype_for,
     dequantize_pages,
     flatten_pages,
@@ -76,10 +77,7 @@ class RaggedConfig:
             raise ValueError(f"small_q_rows must be 0 or a power of 2 >= 16, got {self.small_q_rows}")
         if not _is_pow2(self.block_tokens) or self.block_tokens < 16:
             raise ValueError(f"block_tokens must be a power of 2 >= 16, got {self.block_tokens}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be a power of 2 <= 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        check_triton_params(self.num_warps, self.num_stages)
 
     def pages_per_block(self, page_size: int) -> int:
         return max(1, self.block_tokens // page_size)
