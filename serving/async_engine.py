@@ -202,11 +202,11 @@ class AsyncEngine:
           ValueError: the engine refused a request (the message says why); none of `specs` stays queued.
         """
         if not self.ready:
-            raise EngineNotReadyError(self._not_ready_reason())
+            raise EngineNotReadyError(self.not_ready_reason())
         stream = RequestStream([s.request_id for s in specs])
         with self._dead_lock:  # so that _die either sees this command or submit sees _dead
             if self._dead:
-                raise EngineNotReadyError(self._not_ready_reason())
+                raise EngineNotReadyError(self.not_ready_reason())
             self._commands.put(("add", stream, tuple(specs)))
         try:
             await stream.wait_accepted()
@@ -222,7 +222,7 @@ class AsyncEngine:
         stream.cancelled = True
         self._commands.put(("abort", stream))
 
-    def _not_ready_reason(self) -> str:
+    def not_ready_reason(self) -> str:
         if self.load_error is not None:
             return f"the model failed to load: {self.load_error}"
         if self._dead:

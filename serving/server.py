@@ -61,7 +61,7 @@ class ServerState:
 
     def require_ready(self):
         if self.llm is None or not self.engine.ready or self.draining:
-            reason = "the server is shutting down" if self.draining else self.engine._not_ready_reason()
+            reason = "the server is shutting down" if self.draining else self.engine.not_ready_reason()
             raise OpenAIError(503, f"service unavailable: {reason}", type="server_error",
                               code="service_unavailable", headers={"Retry-After": "5"})
         return self.llm
@@ -76,8 +76,8 @@ class ServerState:
 
 
 def create_app(llm_factory: Callable[[], Any], *, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None,
-               max_queue: int = 256, warmup: bool = True) -> FastAPI:
-    """Builds the FastAPI app; the engine thread starts (and loads the model) with the app's lifespan.
+               max_queue: int = 256, warmup: bool = True) -> ServerApp:
+    """Builds the ASGI app; the engine thread starts (and loads the model) with the app's lifespan.
 
     Args:
       llm_factory: returns a serving.llm.LLM (called on the engine thread, so loading does not block /health).
@@ -86,19 +86,17 @@ def create_app(llm_factory: Callable[[], Any], *, model_name: str = DEFAULT_MODE
       max_queue: most requests waiting for a slot before new ones get 503.
       warmup: compile every step bucket before reporting healthy.
     """
-    holder: dict[str, Any] = {}
 
-    def make_engine():
+    def make_engine():  # on the engine thread, after `state` below exists
         llm = llm_factory()
         engine = llm.engine
         if warmup:
             _warmup(engine)
-        holder["state"].llm = llm
+        state.llm = llm
         return engine
 
     engine = AsyncEngine(make_engine, max_queue=max_queue)
     state = ServerState(engine, model_name, api_key, ServerMetrics(lambda: engine.stats))
-    holder["state"] = state
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -112,7 +110,7 @@ def create_app(llm_factory: Callable[[], Any], *, model_name: str = DEFAULT_MODE
     _install_error_handlers(fastapi_app)
     _add_routes(fastapi_app, state)
     _describe_api(fastapi_app, model_name)
-    return _StatusMetrics(fastapi_app, state.metrics)
+    return ServerApp(fastapi_app, state.metrics)
 
 
 def _describe_api(fastapi_app: FastAPI, model_name: str) -> None:
@@ -145,8 +143,9 @@ def _warmup(engine) -> None:
     engine.generate([None], [[0, 1, 2]], max_tokens=2, temperature=0.0)
 
 
-class _StatusMetrics:
-    """ASGI wrapper counting responses by endpoint and status (also for streamed and error responses)."""
+class ServerApp:
+    """The ASGI app: FastAPI plus a count of responses by endpoint and status (streamed and error responses
+    too). `state.server` is the ServerState."""
 
     _KNOWN = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
@@ -227,7 +226,7 @@ def _add_routes(fastapi_app: FastAPI, state: ServerState) -> None:
     async def health():
         if state.llm is not None and state.engine.ready and not state.draining:
             return {"status": "ok"}
-        reason = "draining" if state.draining else state.engine._not_ready_reason()
+        reason = "draining" if state.draining else state.engine.not_ready_reason()
         return JSONResponse({"status": reason}, status_code=503)
 
     @fastapi_app.get("/metrics")
@@ -300,8 +299,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     echo = [(text if text is not None else llm.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
     fmt = CompletionFormat(rid, state.model_name, llm.tokenizer.token_text, echo)
     if body.stream:
-        return _sse(state, stream, request, fmt.chunks(stream, choices, n_prompt, body.include_usage), n_prompt,
-                    choices)
+        return _sse(state, stream, fmt.chunks(stream, choices, n_prompt, body.include_usage), n_prompt, choices)
     await _collect(state, stream, request, choices, n_prompt)
     return fmt.response(choices, n_prompt)
 
@@ -329,8 +327,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     stream = await _submit(state, specs)
     fmt = ChatFormat(rid, state.model_name, llm.tokenizer.token_text)
     if body.stream:
-        return _sse(state, stream, request, fmt.chunks(stream, choices, len(ids), body.include_usage), len(ids),
-                    choices)
+        return _sse(state, stream, fmt.chunks(stream, choices, len(ids), body.include_usage), len(ids), choices)
     await _collect(state, stream, request, choices, len(ids))
     return fmt.response(choices, len(ids))
 
@@ -402,7 +399,7 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _sse(state: ServerState, stream: RequestStream, request: Request, chunks: AsyncIterator[dict], n_prompt: int,
+def _sse(state: ServerState, stream: RequestStream, chunks: AsyncIterator[dict], n_prompt: int,
          choices: list[Choice]) -> StreamingResponse:
     """Server-sent events; a disconnect cancels this generator (Starlette), whose `finally` aborts the request."""
 
@@ -436,7 +433,8 @@ flags.DEFINE_integer("max_model_len", None, "context limit, prompt + output (def
 flags.DEFINE_integer("max_num_seqs", 16, "most sequences decoded together", lower_bound=1)
 flags.DEFINE_integer("max_queue", 256, "most requests waiting for a slot; beyond it 503 + Retry-After",
                      lower_bound=0)
-flags.DEFINE_float("kv_cache_memory_fraction", 0.85, "share of free device memory for the KV cache")
+flags.DEFINE_float("kv_cache_memory_fraction", 0.85, "share of free device memory for the KV cache",
+                   lower_bound=0.01, upper_bound=1.0)
 flags.DEFINE_integer("max_num_batched_tokens", 256, "token budget of one engine step", lower_bound=1)
 flags.DEFINE_integer("block_size", 16, "tokens per KV block", lower_bound=1)
 flags.DEFINE_integer("num_kv_blocks", None, "KV blocks in the pool (default: sized from memory)", lower_bound=2)
@@ -448,7 +446,8 @@ flags.DEFINE_integer("decode_steps", 8, "decode steps per on-device loop when no
 flags.DEFINE_bool("warmup", True, "compile every step bucket before /health reports ok")
 flags.DEFINE_string("compilation_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "pallas-serve", "xla"),
                     "persistent XLA compilation cache ('' disables it)")
-flags.DEFINE_float("drain_timeout_s", 300.0, "on SIGTERM, how long in-flight requests may take to finish")
+flags.DEFINE_float("drain_timeout_s", 300.0, "on SIGTERM, how long in-flight requests may take to finish",
+                   lower_bound=0.0)
 flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "uvicorn and server log level")
 
 
@@ -495,6 +494,10 @@ def main(argv) -> int:
     server = DrainingServer(uvicorn.Config(asgi, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level,
                                            timeout_graceful_shutdown=FLAGS.drain_timeout_s, lifespan="on"))
     server.run()
+    load_error = asgi.state.server.engine.load_error
+    if load_error is not None:
+        print(f"error: cannot load the model: {load_error}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
 
 
@@ -503,12 +506,20 @@ class DrainingServer(uvicorn.Server):
     while uvicorn stops listening and waits for in-flight requests; after a complete drain the process exits 0
     (uvicorn would re-raise the signal and die by it)."""
 
+    def _state(self) -> ServerState | None:
+        return getattr(getattr(self.config.app, "state", None), "server", None)
+
     def handle_exit(self, sig, frame) -> None:
-        state = getattr(self.config.app, "state", None)
-        server_state = getattr(state, "server", None)
-        if server_state is not None:
-            server_state.draining = True
+        if self._state() is not None:
+            self._state().draining = True
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's 10 Hz housekeeping; also stops the server when the model failed to load."""
+        state = self._state()
+        if state is not None and state.engine.load_error is not None:
+            return True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets)
