@@ -28,11 +28,13 @@ flags.DEFINE_integer("seed", None, "sampling seed")
 flags.DEFINE_bool("chat", False, "wrap prompts in the model's chat template")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_bool("reference", False, "use the contiguous-cache reference path instead of the paged engine")
+flags.DEFINE_bool("warmup", True, "run the batch once untimed first, so the reported latency and speed exclude "
+                  "compilation (the compile time is printed separately)")
 
 BUILTIN_PROMPTS = [
     "The three primary colours are",
     "def fibonacci(n):",
-    "Write one sentence about the sea.",
+    [{"role": "user", "content": "Write one sentence about the sea."}],  # a chat turn
 ]
 
 
@@ -79,10 +81,18 @@ def run(argv) -> int:
     llm = LLM(FLAGS.model, dtype=FLAGS.dtype)
     print(f"loaded {llm.config.name} in {llm.load_seconds:.1f}s", file=sys.stderr)
     texts = [llm.tokenizer.apply_chat_template(p) if isinstance(p, list) else p for p in prompts]
+
+    def generate():
+        return llm.generate(texts, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                            top_k=FLAGS.top_k, seed=FLAGS.seed, chat=FLAGS.chat and not FLAGS.prompts_file,
+                            use_reference=FLAGS.reference)
+
+    if FLAGS.warmup:
+        t0 = time.perf_counter()
+        generate()
+        print(f"warm-up run (compiles this batch's shapes): {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     t0 = time.perf_counter()
-    outs = llm.generate(texts, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
-                        top_k=FLAGS.top_k, seed=FLAGS.seed, chat=FLAGS.chat and not FLAGS.prompts_file,
-                        use_reference=FLAGS.reference)
+    outs = generate()
     wall = time.perf_counter() - t0
     total = 0
     for prompt, out in zip(texts, outs):

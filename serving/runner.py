@@ -29,6 +29,7 @@ from flax import nnx
 from model.kv import PagedMeta, init_paged_cache
 from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
+from pallas_kernels.backend import resolve_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,11 @@ class ModelRunner:
         self.backend = attention_backend
         self.token_buckets = _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.decode_buckets = _pow2_buckets(1, max_num_seqs)
+        # The Pallas kernels walk only each row's live pages, so one table width (max_blocks) serves every step.
+        # The XLA reference and the interpreter gather whole table rows, so there the width is bucketed too:
+        # a short-context batch then never pays for max_model_len.
+        gathers = resolve_backend(attention_backend, "ragged_paged_attention") in ("xla", "interpret")
+        self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
         self.kv_dtype = kv_dtype or model.dtype
         self.kv_cache = init_paged_cache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads,
                                          self.cfg.head_dim, self.kv_dtype)
@@ -143,32 +149,36 @@ class ModelRunner:
             self.num_compiles += 1
         return exe
 
-    def _step_args(self, t: int, s: int):
+    def _step_args(self, t: int, s: int, w: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        return (i32(t), i32(t), i32(t), i32(s, self.max_blocks), i32(s), i32(s + 1), i32(), i32(s))
+        return (i32(t), i32(t), i32(t), i32(s, w), i32(s), i32(s + 1), i32(), i32(s))
 
     def warmup(self, decode_loop_steps: Sequence[int] = ()) -> int:
         """Compiles every bucket ahead of serving; returns how many executables exist."""
-        for t in self.token_buckets:
-            self._get_step(t, self.max_num_seqs, decode_only=False)
-        for s in self.decode_buckets:
-            self._get_step(s, s, decode_only=True)
-            for n in decode_loop_steps:
-                self._get_loop(n, s)
+        for w in self.width_buckets:
+            for t in self.token_buckets:
+                self._get_step(t, self.max_num_seqs, w, decode_only=False)
+            for s in self.decode_buckets:
+                self._get_step(s, s, w, decode_only=True)
+                for n in decode_loop_steps:
+                    self._get_loop(n, s, w)
         return len(self._compiled)
 
-    def _get_step(self, t: int, s: int, decode_only: bool):
-        args = (self.params, self.kv_cache) + tuple(
-            jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self._step_args(t, s))
-        return self._executable(("step", t, s, decode_only), lambda: self._step_fn(decode_only), args)
+    def _get_step(self, t: int, s: int, w: int, decode_only: bool):
+        args = (self.params, self.kv_cache) + self._step_args(t, s, w)
+        return self._executable(("step", t, s, w, decode_only), lambda: self._step_fn(decode_only), args)
 
-    def _get_loop(self, num_steps: int, s: int):
+    def _width(self, tables: Sequence[Sequence[int]]) -> int:
+        """Smallest table-width bucket holding every row's block table."""
+        need = max(len(t) for t in tables)
+        return next(w for w in self.width_buckets if w >= need)
+
+    def _get_loop(self, num_steps: int, s: int, w: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         st = SamplingTensors.from_rows([{}] * s)
         st = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), st)
-        args = (self.params, self.kv_cache, i32(s), i32(s), i32(s, self.max_blocks),
-                i32(s), st, i32(num_steps, s, self._max_banned))
-        return self._executable(("loop", num_steps, s), lambda: self._loop_fn(num_steps), args)
+        args = (self.params, self.kv_cache, i32(s), i32(s), i32(s, w), i32(s), st, i32(num_steps, s, self._max_banned))
+        return self._executable(("loop", num_steps, s, w), lambda: self._loop_fn(num_steps), args)
 
     _max_banned = 8
 
@@ -185,15 +195,16 @@ class ModelRunner:
             raise ValueError(f"{n_tok} tokens exceed max_num_batched_tokens {self.token_buckets[-1]}")
         return t, self.max_num_seqs, False
 
-    def prepare(self, rows: Sequence[RowInput]) -> tuple[tuple, tuple[int, int, bool]]:
+    def prepare(self, rows: Sequence[RowInput]) -> tuple[tuple, tuple[int, int, int, bool]]:
         """Padded host arrays for `rows` (see the module docstring)."""
         if not rows or len(rows) > self.max_num_seqs:
             raise ValueError(f"a step needs 1..{self.max_num_seqs} rows, got {len(rows)}")
         t, s, decode_only = self.bucket(rows)
+        w = self._width([r.block_table for r in rows])
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         slots = np.zeros(t, np.int32)  # padding writes to the null page 0
-        tables = np.zeros((s, self.max_blocks), np.int32)
+        tables = np.zeros((s, w), np.int32)
         kv_lens = np.zeros(s, np.int32)
         cu = np.zeros(s + 1, np.int32)
         logits_idx = np.zeros(s, np.int32)
@@ -214,12 +225,12 @@ class ModelRunner:
             logits_idx[i] = off - 1
         cu[len(rows) + 1:] = off
         arrays = (tokens, positions, slots, tables, kv_lens, cu, np.int32(len(rows)), logits_idx)
-        return arrays, (t, s, decode_only)
+        return arrays, (t, s, w, decode_only)
 
     def forward(self, rows: Sequence[RowInput]) -> jax.Array:
         """Runs one step; returns float32 logits [S, V] at each row's last token (rows beyond len(rows): junk)."""
-        arrays, (t, s, decode_only) = self.prepare(rows)
-        exe = self._get_step(t, s, decode_only)
+        arrays, (t, s, w, decode_only) = self.prepare(rows)
+        exe = self._get_step(t, s, w, decode_only)
         logits, self.kv_cache = exe(self.params, self.kv_cache, *arrays)
         return logits
 
@@ -231,9 +242,10 @@ class ModelRunner:
         Returns (tokens [num_steps, len(rows)], logprobs [num_steps, len(rows)]).
         """
         s = next(b for b in self.decode_buckets if b >= len(rows))
+        w = self._width([r.block_table for r in rows])
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
-        tables = np.zeros((s, self.max_blocks), np.int32)
+        tables = np.zeros((s, w), np.int32)
         row_limits = np.zeros(s, np.int32)
         row_limits[:len(rows)] = num_steps if limits is None else limits
         for i, r in enumerate(rows):
@@ -242,7 +254,7 @@ class ModelRunner:
         st = pad_sampling(st, s)
         banned_full = np.full((num_steps, s, self._max_banned), -1, np.int32)
         banned_full[:, :len(rows), :banned.shape[-1]] = banned[:, :, :self._max_banned]
-        exe = self._get_loop(num_steps, s)
+        exe = self._get_loop(num_steps, s, w)
         out_tok, out_lp, self.kv_cache = exe(self.params, self.kv_cache, tokens, positions, tables, row_limits, st,
                                              banned_full)
         return np.asarray(out_tok)[:, :len(rows)], np.asarray(out_lp)[:, :len(rows)]
@@ -251,8 +263,10 @@ class ModelRunner:
         """Copy-on-write: page dst := page src in every layer."""
         if not pairs:
             return
-        src = jnp.asarray([p[0] for p in pairs], jnp.int32)
-        dst = jnp.asarray([p[1] for p in pairs], jnp.int32)
+        # Pad to a power of two with null-page self-copies (page 0 -> page 0) so the copy compiles once per bucket.
+        n = 1 << (len(pairs) - 1).bit_length()
+        src = jnp.asarray([p[0] for p in pairs] + [0] * (n - len(pairs)), jnp.int32)
+        dst = jnp.asarray([p[1] for p in pairs] + [0] * (n - len(pairs)), jnp.int32)
         self.kv_cache = _copy_pages(self.kv_cache, src, dst)
 
 
