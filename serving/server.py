@@ -33,6 +33,7 @@ from absl import app as absl_app, flags
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.async_engine import (AsyncEngine, EngineError, EngineNotReadyError, QueueFullError, RequestSpec,
@@ -401,7 +402,16 @@ async def _wait_disconnect(request: Request) -> None:
 
 def _sse(state: ServerState, stream: RequestStream, chunks: AsyncIterator[dict], n_prompt: int,
          choices: list[Choice]) -> StreamingResponse:
-    """Server-sent events; a disconnect cancels this generator (Starlette), whose `finally` aborts the request."""
+    """Server-sent events. A disconnect cancels this generator (Starlette), whose `finally` aborts the request;
+    the background task covers a disconnect before the generator ever started."""
+    ended = False
+
+    async def end():
+        nonlocal ended
+        if not ended:
+            ended = True
+            state.engine.abort(stream)
+            state.metrics.observe_stream(stream, n_prompt, _finish_reasons(choices))
 
     async def events():
         try:
@@ -411,11 +421,10 @@ def _sse(state: ServerState, stream: RequestStream, chunks: AsyncIterator[dict],
             body = error_body(f"generation failed: {e}", type="server_error", code="engine_error")
             yield f"data: {json.dumps(body)}\n\n"
         finally:
-            state.engine.abort(stream)
-            state.metrics.observe_stream(stream, n_prompt, _finish_reasons(choices))
+            await end()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
+    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(end),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
