@@ -176,10 +176,14 @@ class LLMEngine:
 
         The loop always runs `decode_steps` iterations (one compiled length per decode bucket, so nothing
         compiles while serving); a row closer than that to max_tokens or max_model_len stops writing KV after
-        its own limit. The loop is used only when some row can take all `decode_steps` tokens.
+        its own limit. The loop is used only when some row can take all `decode_steps` tokens, and not while a
+        waiting request could be admitted into a free slot.
         """
         k = self.config.decode_steps
-        if k <= 1 or self.scheduler.num_waiting or len(out.scheduled) > self.runner.decode_buckets[-1]:
+        # Waiting requests need the host only if a slot is free for them; with every slot taken they could not
+        # be admitted before a running request finishes anyway (they then wait at most k - 1 extra steps).
+        slots_full = self.scheduler.num_running >= self.config.max_num_seqs
+        if k <= 1 or (self.scheduler.num_waiting and not slots_full) or len(out.scheduled) > self.runner.decode_buckets[-1]:
             return None
         limits = []
         for sr in out.scheduled:

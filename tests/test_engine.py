@@ -151,6 +151,28 @@ def test_greedy_mixed_batch_matches_reference(engine, reference):
     assert engine.num_decode_loops > loops_before  # the multi-step decode loop ran, and stayed exact
 
 
+def test_decode_loop_runs_while_requests_wait_for_a_slot(engine, reference):
+    """With every slot taken, waiting requests cannot be admitted anyway: decoding stays on device and exact."""
+    sched = use_scheduler(engine, enable_prefix_caching=False, max_num_seqs=4)
+    engine.config.max_num_seqs = 4
+    try:
+        loops_while_waiting = []
+        original = engine._run_decode_loop
+
+        def spy(out, limits):
+            loops_while_waiting.append(sched.num_waiting)
+            return original(out, limits)
+
+        engine._run_decode_loop = spy
+        prompts, max_tokens = MIXED_PROMPTS[:6], MIXED_MAX_TOKENS[:6]
+        tracks = run(engine, [(p, greedy(m)) for p, m in zip(prompts, max_tokens)])
+    finally:
+        engine.config.max_num_seqs = ENGINE_OPTIONS["max_num_seqs"]
+        del engine._run_decode_loop
+    assert_matches_reference(tracks, prompts, max_tokens, reference)
+    assert any(n > 0 for n in loops_while_waiting), loops_while_waiting
+
+
 def test_greedy_with_prefix_caching_matches_reference(engine, reference):
     sched = use_scheduler(engine, enable_prefix_caching=True)
     requests = [(p, greedy(m)) for p, m in zip(PREFIX_PROMPTS, PREFIX_MAX_TOKENS)]
