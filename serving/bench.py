@@ -23,8 +23,18 @@ Modes:
     the cache / prompt tokens), wall time and throughput.
   latency: prefill time to first token and decode tokens/s at a given context for batch 1 and --batch_size,
     plus start-up (model build) and compile (warm-up of every bucket) times.
+  serving: online serving over HTTP, as vLLM's benchmark_serving (serving/bench_serving.py): streaming
+    /v1/completions requests at --request_rate (Poisson; inf = all at once) or at most --max_concurrency in
+    flight, against --base_url or a server this binary starts on a free loopback port (the engine flags here,
+    then any flags after `--`). Lengths: --dataset sharegpt (log-normal input and output lengths, clipped),
+    fixed (--input_len, --output_len) or jsonl (--dataset_path). Reports request / output / total token
+    throughput, TTFT, TPOT, ITL and end-to-end latency percentiles, goodput under --slo_ttft_ms/--slo_tpot_ms.
+    Stops by itself after --num_requests or --duration_s. Only loopback URLs are accepted.
 
-Every mode compiles all buckets first (`ModelRunner.warmup`), so no run includes compilation. Runs of one mode
+    python -m serving.bench --mode serving --num_requests 40 --request_rate 2 --attention_backend xla \
+        --max_num_batched_tokens 64 --slo_ttft_ms 2000 --slo_tpot_ms 200
+
+Every engine mode compiles all buckets first (`ModelRunner.warmup`), so no run includes compilation. Runs of one mode
 share one engine and give it a fresh Scheduler (an empty pool, cache and counters) per run.
 """
 
@@ -42,7 +52,7 @@ import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "static_vs_continuous", ["static_vs_continuous", "prefix_cache", "latency"],
+flags.DEFINE_enum("mode", "static_vs_continuous", ["static_vs_continuous", "prefix_cache", "latency", "serving"],
                   "which benchmark to run")
 flags.DEFINE_string("out_dir", "bench_out", "directory for the JSON results and PNG plots")
 flags.DEFINE_string("model", None, "GGUF file, HF safetensors dir or Orbax dir (default: SmolLM2-135M-Instruct)")
@@ -73,6 +83,28 @@ flags.DEFINE_integer("fewshot_max_tokens", 16, "few-shot: answer tokens", lower_
 # latency
 flags.DEFINE_integer("context", 1024, "latency: prompt tokens", lower_bound=1)
 flags.DEFINE_integer("latency_tokens", 128, "latency: tokens decoded per request", lower_bound=2)
+# serving
+flags.DEFINE_string("base_url", None, "serving: a running server on loopback, e.g. http://127.0.0.1:8000 (default: "
+                    "start one on a free loopback port with the engine flags above and any flags after `--`)")
+flags.DEFINE_float("request_rate", float("inf"), "serving: mean requests/s, Poisson arrivals (inf: all at once)",
+                   lower_bound=0.0)
+flags.DEFINE_integer("max_concurrency", None, "serving: most requests in flight (default: no limit)", lower_bound=1)
+flags.DEFINE_enum("dataset", "sharegpt", ["sharegpt", "fixed", "jsonl"], "serving: request lengths")
+flags.DEFINE_string("dataset_path", None, "serving: JSONL of {\"prompt\": str, \"max_tokens\": int} per line")
+flags.DEFINE_integer("input_len_median", 128, "serving, sharegpt: median prompt length (log-normal)", lower_bound=1)
+flags.DEFINE_float("input_len_sigma", 1.0, "serving, sharegpt: sigma of log(prompt length)", lower_bound=0.0)
+flags.DEFINE_integer("input_len_max", 1024, "serving, sharegpt: longest prompt (clipped here)", lower_bound=1)
+flags.DEFINE_integer("input_len", 128, "serving, fixed: prompt tokens", lower_bound=1)
+flags.DEFINE_integer("output_len", 64, "serving, fixed: output tokens (jsonl: when a line has no max_tokens)",
+                     lower_bound=1)
+flags.DEFINE_bool("ignore_eos", True, "serving: ask for exactly max_tokens tokens (the ignore_eos extension)")
+flags.DEFINE_float("slo_ttft_ms", None, "serving: goodput SLO on time to first token", lower_bound=0.0)
+flags.DEFINE_float("slo_tpot_ms", None, "serving: goodput SLO on time per output token", lower_bound=0.0)
+flags.DEFINE_float("duration_s", 600.0, "serving: cap on the run; requests still in flight then are cut",
+                   lower_bound=1.0)
+flags.DEFINE_integer("max_model_len", None, "serving, self-started server: context limit (default: the longest "
+                     "synthetic prompt + output, or the model's for jsonl)", lower_bound=2)
+flags.DEFINE_float("startup_timeout_s", 1800.0, "serving: how long a self-started server may take to be healthy")
 
 
 # Workloads ---------------------------------------------------------------------------------------------------------
@@ -389,6 +421,63 @@ def mode_latency(model, tokenizer, vocab: int) -> dict:
     return results
 
 
+# Mode: serving (over HTTP) -----------------------------------------------------------------------------------------
+
+def serving_workload():
+    from serving import bench_serving as bs
+
+    n = FLAGS.num_requests
+    if FLAGS.dataset == "jsonl":
+        if not FLAGS.dataset_path:
+            raise ValueError("--dataset jsonl needs --dataset_path")
+        return bs.read_jsonl(FLAGS.dataset_path, n, FLAGS.output_len)
+    if FLAGS.dataset == "fixed":
+        return bs.fixed_lengths(n, FLAGS.seed, FLAGS.input_len, FLAGS.output_len)
+    return bs.sharegpt_like(n, FLAGS.seed, FLAGS.input_len_median, FLAGS.input_len_sigma, FLAGS.input_len_max,
+                            FLAGS.output_len_median, FLAGS.output_len_sigma, FLAGS.output_len_max)
+
+
+def server_flags(requests, extra: list[str]) -> list[str]:
+    """Flags of a self-started server: this binary's engine flags, then the ones after `--` (which win)."""
+    args = ["--dtype", FLAGS.dtype, "--max_num_seqs", str(FLAGS.batch_size), "--block_size", str(FLAGS.block_size),
+            "--max_num_batched_tokens", str(FLAGS.max_num_batched_tokens), "--decode_steps", str(FLAGS.decode_steps)]
+    args += ["--model", FLAGS.model] if FLAGS.model else []
+    args += ["--attention_backend", FLAGS.attention_backend] if FLAGS.attention_backend else []
+    max_len = FLAGS.max_model_len
+    if max_len is None and all(isinstance(r.prompt, list) for r in requests):
+        max_len = max(len(r.prompt) + r.max_tokens for r in requests)
+    return args + (["--max_model_len", str(max_len)] if max_len else []) + list(extra)
+
+
+def mode_serving(extra: list[str]) -> dict:
+    """The serving mode; a bad setting or an unusable server ends it with one line on stderr (status 2 / 1)."""
+    import logging
+
+    import httpx
+
+    from serving import bench_serving as bs
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # absl logs every request at INFO otherwise
+    try:
+        if FLAGS.random_weights or FLAGS.model_preset:
+            raise ValueError("--mode serving benchmarks a server: --random_weights/--model_preset do not apply")
+        if FLAGS.base_url and extra:
+            raise ValueError(f"flags after `--` configure a self-started server, not --base_url: {' '.join(extra)}")
+        cfg = bs.ServingBenchConfig(
+            FLAGS.base_url, FLAGS.num_requests, FLAGS.request_rate, FLAGS.max_concurrency, FLAGS.duration_s,
+            FLAGS.ignore_eos, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms, request_timeout_s=FLAGS.duration_s + 60,
+            seed=FLAGS.seed, api_key=os.environ.get("PALLAS_SERVE_API_KEY"))
+        requests = serving_workload()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        return bs.bench(cfg, requests, server_flags(requests, extra), FLAGS.startup_timeout_s)
+    except (RuntimeError, httpx.HTTPError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
 # Output ------------------------------------------------------------------------------------------------------------
 
 def plot(mode: str, results: dict, path: str) -> None:
@@ -444,39 +533,50 @@ def git_commit() -> str | None:
 
 
 def main(argv) -> None:
-    if len(argv) > 1:
+    if FLAGS.mode != "serving" and len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.prompt_len_min > FLAGS.prompt_len_max:
         raise app.UsageError("--prompt_len_min must be <= --prompt_len_max")
-    import jax
+    if FLAGS.mode == "serving":
+        results = mode_serving(argv[1:])
+        from serving.bench_serving import host_device
 
-    model, tokenizer, load_s = load_model()
-    vocab = model.cfg.vocab_size
-    run_mode = {"static_vs_continuous": mode_static_vs_continuous, "prefix_cache": mode_prefix_cache,
-                "latency": mode_latency}[FLAGS.mode]
-    results = run_mode(model, tokenizer, vocab)
-    results["load_s"] = load_s
-    dev = jax.devices()[0]
+        name, device = results["served_model"], host_device()
+    else:
+        import jax
+
+        model, tokenizer, load_s = load_model()
+        run_mode = {"static_vs_continuous": mode_static_vs_continuous, "prefix_cache": mode_prefix_cache,
+                    "latency": mode_latency}[FLAGS.mode]
+        results = run_mode(model, tokenizer, model.cfg.vocab_size)
+        results["load_s"] = load_s
+        dev = jax.devices()[0]
+        name = model.cfg.name
+        device = f"{dev.platform}: {dev.device_kind} x{jax.device_count()} ({os.cpu_count()} CPU cores)"
     record = dict(mode=FLAGS.mode, date=datetime.date.today().isoformat(), commit=git_commit(),
-                  command="python -m serving.bench " + " ".join(sys.argv[1:]),
-                  device=f"{dev.platform}: {dev.device_kind} x{jax.device_count()} ({os.cpu_count()} CPU cores)",
-                  model=model.cfg.name, dtype=FLAGS.dtype, flags={f.name: f.value for f in FLAGS.get_key_flags_for_module(
+                  command="python -m serving.bench " + " ".join(sys.argv[1:]), device=device, model=name,
+                  dtype=FLAGS.dtype, flags={f.name: f.value for f in FLAGS.get_key_flags_for_module(
                       sys.modules[__name__])}, results=results)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    slug = "".join(ch if ch.isalnum() else "_" for ch in model.cfg.name.lower()).strip("_")
+    slug = "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
     stem = os.path.join(FLAGS.out_dir, f"{FLAGS.mode}_{slug}")
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1)
-    plot(FLAGS.mode, results, stem + ".png")
+    if FLAGS.mode == "serving":
+        from serving.bench_serving import plot as plot_serving
+
+        plot_serving(results, stem + ".png")
+    else:
+        plot(FLAGS.mode, results, stem + ".png")
     print(json.dumps(_headline(FLAGS.mode, results), indent=1))
     print(f"wrote {stem}.json and {stem}.png")
 
 
 def _headline(mode: str, r: dict) -> dict:
     """The figures worth a line in BENCHMARKS.md."""
-    drop = {"kv_trace"}
+    drop = {"kv_trace", "per_request"}
     strip = lambda d: {k: v for k, v in d.items() if k not in drop}  # noqa: E731
-    return {k: (strip(v) if isinstance(v, dict) else v) for k, v in r.items()}
+    return {k: (strip(v) if isinstance(v, dict) else v) for k, v in r.items() if k not in drop}
 
 
 if __name__ == "__main__":

@@ -266,8 +266,13 @@ class LLMEngine:
                     if o.finished:
                         return
 
-    def generate(self, texts: Sequence[str | None], prompts: Sequence[Sequence[int]], **sampling) -> list:
-        """Generates for every prompt together; returns serving.llm.CompletionOutput objects in order."""
+    def generate(self, texts: Sequence[str | None], prompts: Sequence[Sequence[int]], progress=None,
+                 **sampling) -> list:
+        """Generates for every prompt together; returns serving.llm.CompletionOutput objects in order.
+
+        progress: optional callable(finished, total, tokens), called after every engine step with the number of
+        these prompts that have finished, their count, and the tokens generated for them so far.
+        """
         from serving.llm import CompletionOutput
 
         base = dict(sampling)
@@ -282,6 +287,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         while any(rid in self._tracks for rid in rids):
             self.step()
+            if progress is not None:
+                self._report_progress(rids, progress)
         results = []
         for text, ids, rid in zip(texts, prompts, rids):
             track = self.pop_finished(rid)
@@ -294,6 +301,11 @@ class LLMEngine:
             lps = [e[0] if isinstance(e, tuple) else e for e in req.output_logprobs] or None
             results.append(CompletionOutput(text, list(ids), track.text, gen, req.finish_reason, lps, metrics))
         return results
+
+    def _report_progress(self, rids: Sequence[str], progress) -> None:
+        tracks = [self._tracks.get(rid) or self._finished.get(rid) for rid in rids]
+        tokens = sum(len(t.request.output_token_ids) for t in tracks if t is not None)
+        progress(sum(rid not in self._tracks for rid in rids), len(rids), tokens)
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:

@@ -4,8 +4,9 @@
     python -m serving.generate --prompt "Hello" --chat --max_tokens 64
     python -m serving.generate --prompts_file prompts.jsonl     # {"prompt": "..."} or {"messages": [...]}
 
-Prints each completion with its time to first token and decode speed. Bad flags and unreadable files end with
-one clear line on stderr and exit status 2.
+Prints each completion with its time to first token and decode speed. Over a --prompts_file, a progress bar
+on stderr counts finished prompts, tokens and tokens/s (tqdm when it is installed, else one line rewritten in
+place). Bad flags and unreadable files end with one clear line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -68,6 +69,39 @@ def read_prompts_file(path: str) -> list[str | list[dict]]:
     return prompts
 
 
+class Progress:
+    """A progress callback for LLM.generate: (finished, total, tokens) -> a bar on stderr."""
+
+    def __init__(self, label: str = ""):
+        self.label, self.t0, self.last_write = label, time.perf_counter(), 0.0
+        try:
+            import tqdm
+        except ImportError:
+            tqdm = None
+        self._tqdm, self._bar = tqdm, None
+
+    def __call__(self, finished: int, total: int, tokens: int) -> None:
+        now = time.perf_counter()
+        stats = f"{tokens} tokens, {tokens / max(now - self.t0, 1e-9):.1f} tok/s"
+        if self._tqdm is not None:
+            if self._bar is None:
+                self._bar = self._tqdm.tqdm(total=total, desc=self.label or "generate", unit="prompt",
+                                            file=sys.stderr)
+            self._bar.update(finished - self._bar.n)
+            self._bar.set_postfix_str(stats)
+        elif finished == total or now - self.last_write >= 0.2:  # throttled: one write per engine step is noisy
+            prefix = f"{self.label}: " if self.label else ""
+            sys.stderr.write(f"\r{prefix}generated {finished}/{total} prompts, {stats}\x1b[K")
+            sys.stderr.flush()
+            self.last_write = now
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.last_write:
+            sys.stderr.write("\n")
+
+
 def run(argv) -> int:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -82,17 +116,23 @@ def run(argv) -> int:
     print(f"loaded {llm.config.name} in {llm.load_seconds:.1f}s", file=sys.stderr)
     texts = [llm.tokenizer.apply_chat_template(p) if isinstance(p, list) else p for p in prompts]
 
-    def generate():
-        return llm.generate(texts, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
-                            top_k=FLAGS.top_k, seed=FLAGS.seed, chat=FLAGS.chat and not FLAGS.prompts_file,
-                            use_reference=FLAGS.reference)
+    def generate(label: str):
+        progress = Progress(label) if FLAGS.prompts_file else None
+        try:
+            return llm.generate(texts, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
+                                top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed,
+                                chat=FLAGS.chat and not FLAGS.prompts_file, use_reference=FLAGS.reference,
+                                progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
 
     if FLAGS.warmup:
         t0 = time.perf_counter()
-        generate()
+        generate("warm-up")
         print(f"warm-up run (compiles this batch's shapes): {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     t0 = time.perf_counter()
-    outs = generate()
+    outs = generate("")
     wall = time.perf_counter() - t0
     total = 0
     for prompt, out in zip(texts, outs):

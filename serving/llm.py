@@ -112,7 +112,8 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 chat: bool = False, use_reference: bool = False, **sampling) -> list[CompletionOutput]:
+                 chat: bool = False, use_reference: bool = False, progress=None,
+                 **sampling) -> list[CompletionOutput]:
         """Generates a completion per prompt.
 
         Args:
@@ -120,6 +121,8 @@ class LLM:
           max_tokens, temperature, top_p, top_k, seed: sampling controls (temperature 0 = greedy).
           chat: render each string prompt as a user turn of the chat template.
           use_reference: run the contiguous-cache reference path instead of the paged engine.
+          progress: optional callable(finished, total, tokens): prompts finished, prompts in all, tokens generated
+            so far; called after every engine step (the reference path calls it once, at the end).
           **sampling: further SamplingParams fields (min_p, stop, penalties, ...).
 
         Returns:
@@ -130,10 +133,13 @@ class LLM:
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.encode_prompt(p, chat) for p in prompts]
         if use_reference:
-            return self._generate_reference(texts, ids, max_tokens, temperature, top_p, top_k, seed,
+            outs = self._generate_reference(texts, ids, max_tokens, temperature, top_p, top_k, seed,
                                             sampling.get("ignore_eos", False))
+            if progress is not None:
+                progress(len(outs), len(outs), sum(len(o.token_ids) for o in outs))
+            return outs
         return self.engine.generate(texts, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, seed=seed, **sampling)
+                                    top_k=top_k, seed=seed, progress=progress, **sampling)
 
     def _generate_reference(self, texts, ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos):
         from serving.reference_generate import generate_reference

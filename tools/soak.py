@@ -20,16 +20,14 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 
 import httpx
 from absl import app, flags
+
+from serving.local_server import free_port, read_metrics, start_server, stop_server, wait_healthy
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("duration_s", 600.0, "how long requests are sent")
@@ -126,43 +124,6 @@ async def _run_stream(client, kind, path, body, hang_up, t0) -> Result:
                   error=None if ok else f"incomplete stream (done={done}, finished={finished})")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, server_args: list[str]) -> subprocess.Popen:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "serving.server", "--port", str(port), "--log_level", "warning", *server_args]
-    print("server:", " ".join(cmd), file=sys.stderr)
-    return subprocess.Popen(cmd, cwd=root, env=env)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"server not healthy after {timeout:.0f} s")
-
-
-def read_metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 async def soak(url: str) -> tuple[list[Result], float]:
     rng = random.Random(FLAGS.seed)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
@@ -227,12 +188,7 @@ def main(argv) -> int:
         metrics = read_metrics(url)
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                exit_code = proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                exit_code = "killed after 120 s"
+            exit_code = stop_server(proc, timeout=120)
     summary = summarize(results, wall, metrics, exit_code, startup)
     text = json.dumps(summary, indent=2)
     print(text)
