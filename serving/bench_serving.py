@@ -364,7 +364,8 @@ def _goodput(cfg: ServingBenchConfig, done: list[RequestResult], wall: float) ->
 # Plot --------------------------------------------------------------------------------------------------------------
 
 def plot(results: dict, path: str) -> None:
-    """PNG: CDFs of TTFT, TPOT and end-to-end latency (SLO lines where set) and a histogram of ITL."""
+    """PNG: CDFs of TTFT, TPOT and end-to-end latency (SLO lines where set) and a histogram of ITL; milliseconds,
+    or seconds for a panel whose values reach 10 s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -374,25 +375,26 @@ def plot(results: dict, path: str) -> None:
     slo = results.get("goodput") or {}
     series = [("TTFT", [r["ttft_s"] for r in per], slo.get("slo_ttft_ms")),
               ("TPOT", [r["tpot_s"] for r in per if r["tpot_s"] is not None], slo.get("slo_tpot_ms")),
-              ("end-to-end latency", [r["latency_s"] for r in per], None)]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    for ax, (name, values, bound) in zip(axes, series):
-        v = np.sort(1e3 * np.asarray(values, float))
-        if len(v):
+              ("end-to-end latency", [r["latency_s"] for r in per], None),
+              ("inter-chunk latency (ITL)", [g for r in per for g in r["chunk_gaps_s"]], None)]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for i, (ax, (name, values, bound_ms)) in enumerate(zip(axes.flat, series)):
+        v = np.sort(np.asarray(values, float))
+        scale, unit = (1.0, "s") if len(v) and v[-1] >= 10 else (1e3, "ms")
+        v = v * scale
+        if i == 3:
+            ax.hist(v, bins=40, color="tab:orange")
+            ax.set_ylabel("chunks")
+        elif len(v):
             ax.step(np.r_[v[0], v], np.arange(len(v) + 1) / len(v), where="post")
-        if bound is not None:
-            ax.axvline(bound, color="tab:red", ls="--", label=f"SLO {bound:g} ms")
+            ax.set_ylabel("fraction of requests")
+        if bound_ms is not None:
+            ax.axvline(bound_ms * scale / 1e3, color="tab:red", ls="--", label=f"SLO {bound_ms:g} ms")
             ax.legend(fontsize=8)
-        ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{name} CDF")
-    gaps = 1e3 * np.asarray([g for r in per for g in r["chunk_gaps_s"]], float)
-    axes[3].hist(gaps, bins=40, color="tab:orange")
-    axes[3].set_xlabel("inter-chunk latency (ms)")
-    axes[3].set_ylabel("chunks")
-    axes[3].set_title("ITL histogram")
+        ax.set_xlabel(f"{name} ({unit})")
+        ax.set_title(f"{name} {'histogram' if i == 3 else 'CDF'}")
     fig.suptitle(f"{results['completed']}/{results['planned']} completed, {results['request_throughput']:.2f} req/s, "
                  f"{results['output_throughput']:.1f} output tok/s")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
