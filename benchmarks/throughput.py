@@ -19,31 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints.tokenizer import NullTokenizer
 from model.config import ModelConfig
 from model.transformer import random_model
 from serving.engine import LLMEngine
 from serving.request import SamplingParams
-
-
-class _NullDetokenizer:
-    ids: list
-
-    def __init__(self):
-        self.ids = []
-
-    def add(self, new_ids):
-        self.ids.extend(new_ids)
-        return ""
-
-    def flush(self):
-        return ""
-
-
-class NullTokenizer:
-    """Random-weight models have no vocabulary: the benchmark streams ids, not text."""
-
-    def detokenizer(self):
-        return _NullDetokenizer()
 
 
 def main():

@@ -207,3 +207,22 @@ class IncrementalDetokenizer:
         self.text += delta
         self._prefix = self._read = len(self.ids)
         return delta
+
+
+class _NullDetokenizer:
+    def __init__(self):
+        self.ids: list[int] = []
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class NullTokenizer:
+    """Stands in for a tokenizer when the weights are random (benchmarks at real shapes stream ids, not text)."""
+
+    def detokenizer(self) -> _NullDetokenizer:
+        return _NullDetokenizer()

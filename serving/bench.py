@@ -129,31 +129,13 @@ def variable_workload(rng: np.random.Generator, vocab: int) -> list[Item]:
 
 # Engine ------------------------------------------------------------------------------------------------------------
 
-class _NullDetokenizer:
-    def __init__(self):
-        self.ids: list[int] = []
-
-    def add(self, ids) -> str:
-        self.ids.extend(ids)
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
-class NullTokenizer:
-    """Stands in for a tokenizer with random weights (the benchmarks never read text)."""
-
-    def detokenizer(self):
-        return _NullDetokenizer()
-
-
 def load_model():
     """(model, tokenizer, seconds) from --model or --model_preset --random_weights."""
     from serving.llm import LLM, parse_dtype
 
     t0 = time.perf_counter()
     if FLAGS.random_weights:
+        from checkpoints.tokenizer import NullTokenizer
         from model.config import ModelConfig
         from model.transformer import random_model
 

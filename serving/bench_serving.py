@@ -36,7 +36,7 @@ import httpx
 import numpy as np
 
 from serving import local_server
-from serving.local_server import check_loopback_url, read_metrics
+from serving.local_server import StreamError, check_loopback_url, read_metrics, sse_chunks
 
 # Random prompt ids are drawn from here: above the special tokens of common vocabularies, below their sizes.
 TOKEN_ID_RANGE = (100, 30000)
@@ -172,30 +172,25 @@ async def _stream_one(client: httpx.AsyncClient, body: dict, res: RequestResult)
     t0 = time.perf_counter()
     last, finished, done = None, False, False
     async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            res.error = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
+        try:
+            async for chunk in sse_chunks(r):
+                if chunk is None:
+                    done = True
+                    break
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if last is None:
+                        res.ttft_s = now - t0
+                    else:
+                        res.chunk_gaps_s.append(now - last)
+                    last = now
+                    finished |= any(c.get("finish_reason") for c in chunk["choices"])
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+        except StreamError as e:
+            res.error = str(e)
             return
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                res.error = f"stream error: {chunk['error']}"
-                return
-            now = time.perf_counter()
-            if chunk.get("choices"):
-                if last is None:
-                    res.ttft_s = now - t0
-                else:
-                    res.chunk_gaps_s.append(now - last)
-                last = now
-                finished |= any(c.get("finish_reason") for c in chunk["choices"])
-            if chunk.get("usage"):
-                res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                res.output_tokens = chunk["usage"]["completion_tokens"]
     res.latency_s = time.perf_counter() - t0
     res.ok = done and finished and res.ttft_s is not None
     if not res.ok:

@@ -7,6 +7,7 @@ and their tests. Only loopback addresses are used: these helpers never bind or r
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import signal
 import socket
@@ -93,3 +94,26 @@ def read_metrics(url: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+class StreamError(Exception):
+    """An SSE stream that answered with an HTTP error or an `error` event."""
+
+
+async def sse_chunks(response):
+    """Parsed `data:` events of an OpenAI-style SSE response, stopping at `[DONE]` (then yields None once).
+
+    Raises StreamError for a non-200 answer or an error event, so callers handle both in one place.
+    """
+    if response.status_code != 200:
+        raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:300].decode(errors='replace')}")
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            yield None
+            return
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise StreamError(f"stream error: {chunk['error']}")
+        yield chunk

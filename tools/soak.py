@@ -27,7 +27,8 @@ import time
 import httpx
 from absl import app, flags
 
-from serving.local_server import free_port, read_metrics, start_server, stop_server, wait_healthy
+from serving.local_server import (StreamError, free_port, read_metrics, sse_chunks, start_server, stop_server,
+                                  wait_healthy)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("duration_s", 600.0, "how long requests are sent")
@@ -101,23 +102,19 @@ async def run_one(client: httpx.AsyncClient, path: str, body: dict, stream: bool
 async def _run_stream(client, kind, path, body, hang_up, t0) -> Result:
     ttft, usage, finished, done = None, None, False, False
     async with client.stream("POST", path, json=body) as r:
-        if r.status_code != 200:
-            return Result(kind, False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return Result(kind, False, error=f"stream error: {chunk['error']}")
-            if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - t0
-                if hang_up:
-                    return Result(kind, True, cancelled=True, latency_s=ttft, ttft_s=ttft)
-            finished |= any(c.get("finish_reason") for c in chunk.get("choices", []))
-            usage = chunk.get("usage") or usage
+        try:
+            async for chunk in sse_chunks(r):
+                if chunk is None:
+                    done = True
+                    break
+                if chunk.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                    if hang_up:
+                        return Result(kind, True, cancelled=True, latency_s=ttft, ttft_s=ttft)
+                finished |= any(c.get("finish_reason") for c in chunk.get("choices", []))
+                usage = chunk.get("usage") or usage
+        except StreamError as e:
+            return Result(kind, False, error=str(e))
     ok = done and finished and usage is not None
     return Result(kind, ok, latency_s=time.perf_counter() - t0, ttft_s=ttft,
                   completion_tokens=usage["completion_tokens"] if usage else 0,
