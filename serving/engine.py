@@ -280,10 +280,15 @@ class LLMEngine:
         for key in ("stop", "stop_token_ids"):
             if key in base:
                 base[key] = (base[key],) if isinstance(base[key], str) else tuple(base[key] or ())
-        rids = []
-        for i, ids in enumerate(prompts):
-            params = SamplingParams(**base, seed=None if seed is None else seed + i)
-            rids.append(self.add_request(ids, params, prompt=texts[i]))
+        rids: list[str] = []
+        try:
+            for i, ids in enumerate(prompts):
+                params = SamplingParams(**base, seed=None if seed is None else seed + i)
+                rids.append(self.add_request(ids, params, prompt=texts[i]))
+        except (ValueError, TypeError):
+            for rid in rids:  # all or nothing: a rejected prompt leaves no half-submitted batch behind
+                self.abort(rid)
+            raise
         t0 = time.perf_counter()
         while any(rid in self._tracks for rid in rids):
             self.step()

@@ -222,7 +222,9 @@ def test_llm_errors(llm):
     with pytest.raises(ValueError, match="exceed the context"):
         llm.generate([long_prompt], use_reference=True)
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([long_prompt], max_tokens=4)
+        llm.generate([[5, 6, 7], long_prompt], max_tokens=4)
+    assert not llm.engine.has_unfinished()  # the accepted first prompt was withdrawn, not left queued
+    assert llm.engine.scheduler.block_manager.num_used == 0
 
 
 def test_seeded_sampling_is_reproducible(llm):
