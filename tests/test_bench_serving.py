@@ -183,11 +183,11 @@ def test_llm_generate_progress_callback(server):
     """Called after every step, monotone, ending at (total, total, all tokens); the generate binary's bar."""
     import jax
 
-    from serving.generate import Progress
+    from serving.progress import Progress
     from serving.llm import LLM
 
-    jax.config.update("jax_compilation_cache_dir", CACHE_DIR)  # as the server does (serving.server's flags clash
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # with serving.generate's: not imported)
+    jax.config.update("jax_compilation_cache_dir", CACHE_DIR)  # as the server does
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     llm = LLM(max_model_len=MAX_MODEL_LEN, **ENGINE)
     calls = []
     outs = llm.generate(["Hello", "The capital of France is", "def f(x):"], max_tokens=5, ignore_eos=True,
