@@ -75,6 +75,7 @@ TEST_FLASH = (
     AttentionShape("len127_mha", 1, 127, 127, 2, 2, 128),
     AttentionShape("len513_gqa4", 1, 513, 513, 4, 1, 64),
     AttentionShape("len127_gqa8_d256", 1, 127, 127, 8, 1, 256),
+    AttentionShape("len1023_gqa2", 1, 1023, 1023, 2, 1, 128),
     AttentionShape("chunk_q40_kv200", 2, 40, 200, 4, 2, 64),  # q_offset = 160: a chunk at the end of the KV
 )
 
