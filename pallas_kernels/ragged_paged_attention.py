@@ -3,24 +3,27 @@
 Data flow (Triton / interpret backends):
 
     q [T, Hq, D] --> q [Hkv, T_pad * Gp, D]      row r of KV head h = (token r // Gp, query head h*G + r % Gp)
-    metadata pass (XLA, on device): a flat work list of query tiles, tile w -> (tile_seq[w], tile_q0[w])
-        (its sequence, its first flat token). Sequences with more than `small` query tokens get
-        cdiv(q_len, bq) prefill tiles of bq tokens, listed first; the others (decode, speculative verify)
-        get one small tile each, listed after, so a decode row does not pay for a prefill-sized tile.
+    metadata pass (XLA, on device): a work list of query tiles, entry w -> (kind, sequence, first flat
+        token). Sequences with more than `small` query tokens get cdiv(q_len, bq) prefill tiles of bq
+        tokens; the others (decode, speculative verify) get one small tile each, so a decode row does not
+        pay for a prefill-sized tile. config.schedule orders the list (see `tile_metadata`).
     grid (Hkv, W), W = T // bq + S (a static bound on the tile count; programs past it exit at once).
-        program (h, w): bq * Gp query rows of one sequence (bq tokens x the Gp heads of KV group h),
-        walks that sequence's pages up to the tile's last causal position; each KV page is gathered once
-        for all rows; causal mask per row; masked store of the rows that belong to the sequence.
+        program (h, w): the rows of tile w for KV head h (its tokens x the Gp heads of group h); walks
+        the sequence's pages up to the tile's last causal position; each KV page is gathered once for all
+        rows; causal mask per row; masked store of the rows that belong to the sequence.
     o [Hkv, T_pad * Gp, D] --> [T, Hq, D], rows at or past cu_q_lens[num_seqs] zeroed.
 
         flat tokens:  | seq 0 (5 tok) | s1 (1) | seq 2 (17 tok)                    | s3 (1) | pad pad |
-        prefill tiles (bq=8), sequence order:  w0 = seq 0 [0, 5)   w1, w2, w3 = seq 2 [6, 14) [14, 22) [22, 23)
-        small tiles (q_len <= 4), after them:  w4 = s1 [5, 6)      w5 = s3 [23, 24)
+        prefill tiles (bq=8), sequence order:  p0 = seq 0 [0, 5)   p1, p2, p3 = seq 2 [6, 14) [14, 22) [22, 23)
+        small tiles (q_len <= 4):              s0 = s1 [5, 6)      s1 = s3 [23, 24)
+        work list, interleave: p0 s0 p1 p2 s1 p3      prefill_first: p0 p1 p2 p3 s0 s1
         query j of seq s sits at position kv_lens[s] - q_len[s] + j and sees keys 0..that position.
 
-Prefill tiles (config.block_q_rows rows) are compute-heavy and start first; small tiles
-(config.small_q_rows rows) are bandwidth-bound decode work that fills the tail, so one launch overlaps the
-two. Shapes (T, S, max_blocks) are static buckets; the data decides the work.
+Prefill tiles are compute-bound on pages that mostly sit in L2; decode tiles are bound by HBM bandwidth.
+Both kinds share one compiled kernel, whose registers and shared memory are sized by the prefill branch,
+so a decode tile here streams KV at about half the rate of the dedicated decode kernel
+(pallas_kernels/paged_attention.py); benchmarks/results/paged_notes.md (round 3) has the measurements and
+the variants tried. Shapes (T, S, max_blocks) are static buckets; the data decides the work.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from pallas_kernels.paged_attention import (
 )
 
 
+SCHEDULES = ("interleave", "prefill_first")
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedConfig:
     """Tile sizes for the ragged kernel (a static argument). Defaults: the best of an H200 sweep on the
@@ -60,15 +66,22 @@ class RaggedConfig:
         small_q_rows: query rows per small tile, used for sequences whose whole query fits in one
             (decode and speculative-verify rows), so they do not pay for a prefill-sized tile; 0 disables.
         block_tokens: KV tokens per inner-loop step; a step gathers max(1, block_tokens // page_size) pages.
+        small_block_tokens: the same for small tiles (None: block_tokens). On the H200 mix, 128 made the
+            one launch 426 us instead of 446 us but a decode-only batch 464 us instead of 309 us, so the
+            default keeps one step size.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the page loop.
+        schedule: order of the work list, "interleave" (small tiles spread evenly among the prefill tiles)
+            or "prefill_first" (small tiles after all prefill tiles); see `tile_metadata`.
     """
 
     block_q_rows: int = 128
     small_q_rows: int = 16
     block_tokens: int = 64
+    small_block_tokens: int | None = None
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
+    schedule: str = "prefill_first"
 
     def __post_init__(self):
         if not _is_pow2(self.block_q_rows) or self.block_q_rows < 16:
@@ -77,10 +90,17 @@ class RaggedConfig:
             raise ValueError(f"small_q_rows must be 0 or a power of 2 >= 16, got {self.small_q_rows}")
         if not _is_pow2(self.block_tokens) or self.block_tokens < 16:
             raise ValueError(f"block_tokens must be a power of 2 >= 16, got {self.block_tokens}")
+        if self.small_block_tokens is not None and (not _is_pow2(self.small_block_tokens)
+                                                    or self.small_block_tokens < 16):
+            raise ValueError(f"small_block_tokens must be None or a power of 2 >= 16, got {self.small_block_tokens}")
         check_triton_params(self.num_warps, self.num_stages)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
-    def pages_per_block(self, page_size: int) -> int:
-        return max(1, self.block_tokens // page_size)
+    def pages_per_block(self, page_size: int) -> tuple[int, int]:
+        """(pages per step of a prefill tile, pages per step of a small tile)."""
+        return (max(1, self.block_tokens // page_size),
+                max(1, (self.small_block_tokens or self.block_tokens) // page_size))
 
     def tokens_per_tile(self, group_rows: int) -> tuple[int, int]:
         """(tokens per prefill tile, tokens per small tile; 0 when small tiles are off)."""
@@ -90,14 +110,25 @@ class RaggedConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Metadata pass: per-tile work list, on device.
+# Metadata pass: per-program work list, on device.
 # ---------------------------------------------------------------------------------------------------------
-def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_tiles: int):
-    """Work list of query tiles: prefill tiles first, then one small tile per short sequence.
+NO_TILE, PREFILL_TILE, SMALL_TILE = 0, 1, 2
+
+
+def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_tiles: int,
+                  schedule: str = "prefill_first"):
+    """Work list of query tiles: entry w -> (kind, sequence, first flat token).
 
     A live sequence with 0 < q_len <= small_block_q gets one small tile (decode, speculative verify);
-    any other gets cdiv(q_len, block_q) prefill tiles. Prefill tiles go first so the long-running work
-    starts early and the short tiles fill the tail.
+    any other gets cdiv(q_len, block_q) prefill tiles. Prefill tiles keep sequence order, and so do small
+    tiles; `schedule` merges the two lists:
+
+        prefill_first:  p0 p1 p2 p3 p4 p5 s0 s1 s2      (small tiles fill the tail)
+        interleave:     p0 s0 p1 p2 s1 p3 p4 s2 p5      (even spacing: tile i of n sits near (i + 1/2) / n)
+
+    Prefill tiles first keeps the tiles of one chunk, which reuse its pages from L2, running together;
+    the small tiles then fill the tail. Interleaving was meant to run bandwidth-bound decode tiles beside
+    compute-bound prefill tiles all along, but measured 1.5-1.8x slower on an H200 (paged_notes.md, round 3).
 
     Args:
         cu_q_lens: [S+1] int32 cumulative query lengths.
@@ -105,10 +136,11 @@ def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_
         block_q: tokens per prefill tile.
         small_block_q: tokens per small tile (0: no small tiles).
         max_tiles: static bound W on the tile count.
+        schedule: "interleave" or "prefill_first".
 
     Returns:
-        tile_seq [W], tile_q0 [W] (first flat token), counts [2] = (live tiles, prefill tiles), all int32.
-        Tiles past the live count carry clamped values; the kernel skips them.
+        tiles [3, W] int32: (kind, sequence, first flat token) of each entry; kind is NO_TILE past the
+        live tiles, PREFILL_TILE or SMALL_TILE.
     """
     num_slots = cu_q_lens.shape[0] - 1
     live = jnp.arange(num_slots) < num_seqs
@@ -116,15 +148,26 @@ def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_
     small = (q_lens > 0) & (q_lens <= small_block_q)
     n_big = jnp.where(small, 0, (q_lens + block_q - 1) // block_q)  # [S]
     ends_big, ends_small = jnp.cumsum(n_big), jnp.cumsum(small.astype(jnp.int32))  # [S] exclusive ends
-    w = jnp.arange(max_tiles, dtype=jnp.int32)
-    seq_big = jnp.minimum(jnp.searchsorted(ends_big, w, side="right"), num_slots - 1)
-    q0_big = cu_q_lens[seq_big] + (w - (ends_big - n_big)[seq_big]) * block_q
-    seq_small = jnp.minimum(jnp.searchsorted(ends_small, w - ends_big[-1], side="right"), num_slots - 1)
-    is_big = w < ends_big[-1]
-    tile_seq = jnp.where(is_big, seq_big, seq_small).astype(jnp.int32)
-    tile_q0 = jnp.where(is_big, q0_big, cu_q_lens[seq_small]).astype(jnp.int32)
-    counts = jnp.stack([ends_big[-1] + ends_small[-1], ends_big[-1]]).astype(jnp.int32)
-    return tile_seq, tile_q0, counts
+    total_big, total_small = ends_big[-1], ends_small[-1]
+    i = jnp.arange(max_tiles, dtype=jnp.int32)  # tile index within its kind
+    seq_big = jnp.minimum(jnp.searchsorted(ends_big, i, side="right"), num_slots - 1)
+    q0_big = cu_q_lens[seq_big] + (i - (ends_big - n_big)[seq_big]) * block_q
+    seq_small = jnp.minimum(jnp.searchsorted(ends_small, i, side="right"), num_slots - 1)
+    if schedule == "prefill_first":
+        at_big, at_small = i, total_big + i
+    else:  # merge on keys (2i+1) * n_other: small tile j goes before prefill tile i iff (2j+1)/ns < (2i+1)/nb
+        key_big, key_small = (2 * i + 1) * total_small, (2 * i + 1) * total_big  # < (2W)^2: int32 for W < 23k
+        key_small = jnp.where(i < total_small, key_small, jnp.iinfo(jnp.int32).max)
+        key_big = jnp.where(i < total_big, key_big, jnp.iinfo(jnp.int32).max)
+        at_big = i + jnp.searchsorted(key_small, key_big, side="left").astype(jnp.int32)
+        at_small = i + jnp.searchsorted(key_big, key_small, side="right").astype(jnp.int32)
+    at_big = jnp.where(i < total_big, at_big, max_tiles)  # out of range: dropped by the scatter
+    at_small = jnp.where(i < total_small, at_small, max_tiles)
+    tiles = jnp.zeros((3, max_tiles), jnp.int32)
+    for at, kind, seq, q0 in ((at_big, PREFILL_TILE, seq_big, q0_big),
+                              (at_small, SMALL_TILE, seq_small, cu_q_lens[seq_small])):
+        tiles = tiles.at[:, at].set(jnp.stack([jnp.full_like(seq, kind), seq, q0]).astype(jnp.int32), mode="drop")
+    return tiles
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -165,9 +208,7 @@ def _attend_tile(seq, q0, cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref, k
 
 
 def _ragged_kernel(
-    counts_ref,  # [2] int32: live tiles, prefill tiles (which come first)
-    tile_seq_ref,  # [W] int32 sequence of each tile
-    tile_q0_ref,  # [W] int32 first flat token of each tile
+    tiles_ref,  # [3, W] int32: kind, sequence, first flat token of each entry
     cu_q_lens_ref,  # [S+1] int32
     kv_lens_ref,  # [S] int32
     block_tables_ref,  # [S, max_blocks_padded] int32
@@ -180,17 +221,19 @@ def _ragged_kernel(
     *,
     block_q: int,
     small_block_q: int,
+    pages_per_block: tuple[int, int],
     **static,
 ):
     w = pl.program_id(1)
-    num_live, num_big = counts_ref[0], counts_ref[1]
-    seq, q0 = tile_seq_ref[w], tile_q0_ref[w]
+    kind, seq, q0 = tiles_ref[0, w], tiles_ref[1, w], tiles_ref[2, w]
     refs = (cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, k_scales_ref,
             v_scales_ref, o_ref)
-    pl.when(w < num_big)(lambda: _attend_tile(seq, q0, *refs, block_q=block_q, **static))
+    big_pages, small_pages = pages_per_block
+    pl.when(kind == PREFILL_TILE)(
+        lambda: _attend_tile(seq, q0, *refs, block_q=block_q, pages_per_block=big_pages, **static))
     if small_block_q:  # one branch per tile size: a decode row does not pay for a prefill-sized tile
-        pl.when((w >= num_big) & (w < num_live))(
-            lambda: _attend_tile(seq, q0, *refs, block_q=small_block_q, **static))
+        pl.when(kind == SMALL_TILE)(
+            lambda: _attend_tile(seq, q0, *refs, block_q=small_block_q, pages_per_block=small_pages, **static))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -208,27 +251,27 @@ def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_se
     max_tiles = num_tokens // block_q + num_slots  # prefill tiles <= T / bq + S_prefill, small <= S_small
     padded_tokens = num_tokens + block_q  # a tile may start near T and span bq rows
     pages_per_block = config.pages_per_block(page_size)
-    pad_pages = -block_tables.shape[1] % pages_per_block
+    pad_pages = -block_tables.shape[1] % max(pages_per_block)  # both are powers of 2
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pad_pages)))  # padding is never read unmasked
 
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(compute_dtype_for(q.dtype, k_pages.dtype))
     q4 = jnp.pad(q4, ((0, padded_tokens - num_tokens), (0, 0), (0, group_rows - group), (0, 0)))
     q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group_rows, head_dim)
-    tile_seq, tile_q0, counts = tile_metadata(cu_q_lens, num_seqs, block_q=block_q, small_block_q=small_block_q,
-                                              max_tiles=max_tiles)
+    tiles = tile_metadata(cu_q_lens, num_seqs, block_q=block_q, small_block_q=small_block_q, max_tiles=max_tiles,
+                          schedule=config.schedule)
 
     kernel = functools.partial(
         _ragged_kernel, block_q=block_q, small_block_q=small_block_q, scale_log2=sm_scale * LOG2E,
         page_size=page_size, pages_per_block=pages_per_block, group_rows=group_rows, compute_dtype=q_rows.dtype)
-    # Grid (Hkv, W): heads vary fastest, so tiles launch in work-list order (prefill tiles first) and the
-    # heads of one tile, which read the same block table, run side by side.
+    # Grid (Hkv, W): heads vary fastest, so entries launch in work-list order and the heads of one entry,
+    # which read the same block tables, run side by side.
     whole = lambda shape: pl.BlockSpec(shape, lambda h, w: (0,) * len(shape))  # noqa: E731
     slots = num_pages * page_size
     row_spec = pl.BlockSpec((None, padded_tokens * group_rows, head_dim), lambda h, w: (h, 0, 0))
     page_spec = pl.BlockSpec((None, slots, head_dim), lambda h, w: (h, 0, 0))
     scale_spec = pl.BlockSpec((None, slots), lambda h, w: (h, 0))
     in_specs = [
-        whole((2,)), whole((max_tiles,)), whole((max_tiles,)), whole(cu_q_lens.shape), whole(kv_lens.shape),
+        whole((3, max_tiles)), whole(cu_q_lens.shape), whole(kv_lens.shape),
         whole(block_tables.shape), row_spec, page_spec, page_spec,
         None if k_scales is None else scale_spec, None if v_scales is None else scale_spec,
     ]
@@ -240,8 +283,8 @@ def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_se
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        name=f"ragged_paged_ps{page_size}_m{rows}_bt{config.block_tokens}",
-    )(counts, tile_seq, tile_q0, cu_q_lens, kv_lens, block_tables, q_rows,
+        name=f"ragged_paged_ps{page_size}_m{rows}_bt{config.block_tokens}_{pages_per_block[1]}_{config.schedule}",
+    )(tiles, cu_q_lens, kv_lens, block_tables, q_rows,
       *flatten_pages(k_pages, v_pages, k_scales, v_scales))
 
     o = o_rows.reshape(num_kv_heads, padded_tokens, group_rows, head_dim)[:, :num_tokens, :group]

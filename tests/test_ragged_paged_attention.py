@@ -2,7 +2,9 @@
 
 Batches mix prefill chunks with prior context, decode rows, speculative-verify rows, a sequence with no
 query tokens this step, padded sequence slots and padding token rows. Pages outside every block table and
-slots past each sequence's kv_len hold NaN (see test_paged_attention.build_pool).
+slots past each sequence's kv_len hold NaN (see test_paged_attention.build_pool). In interpret mode Pallas
+starts every output buffer as NaN, so a live row that no tile writes fails the finiteness check of rel_err.
+Both work-list schedules ("interleave", "prefill_first") run in the sweep.
 """
 
 from __future__ import annotations
@@ -63,12 +65,15 @@ class RaggedAttentionTestBase:
         return out, ref
 
     @pytest.mark.parametrize(
-        "group,head_dim,page_size,rows,small_rows,block_tokens",
-        [(1, 64, 16, 16, 0, 16), (3, 64, 32, 64, 16, 64), (4, 128, 16, 32, 16, 32), (8, 64, 128, 64, 16, 64),
-         (2, 64, 16, 64, 0, 128), (2, 64, 32, 64, 32, 32)],
+        "group,head_dim,page_size,rows,small_rows,block_tokens,schedule",
+        [(1, 64, 16, 16, 0, 16, "interleave"), (3, 64, 32, 64, 16, 64, "interleave"),
+         (4, 128, 16, 32, 16, 32, "interleave"), (8, 64, 128, 64, 16, 64, "interleave"),
+         (2, 64, 16, 64, 0, 128, "prefill_first"), (2, 64, 32, 64, 32, 32, "prefill_first"),
+         (4, 256, 64, 64, 16, 64, "interleave"), (3, 64, 16, 64, 16, 32, "prefill_first")],
     )
-    def test_mixed_f32(self, group, head_dim, page_size, rows, small_rows, block_tokens):
-        config = rpa.RaggedConfig(block_q_rows=rows, small_q_rows=small_rows, block_tokens=block_tokens)
+    def test_mixed_f32(self, group, head_dim, page_size, rows, small_rows, block_tokens, schedule):
+        config = rpa.RaggedConfig(block_q_rows=rows, small_q_rows=small_rows, block_tokens=block_tokens,
+                                  schedule=schedule)
         out, ref = self.run_case(MIXED, group=group, head_dim=head_dim, page_size=page_size, config=config)
         assert rel_err(out, ref) < 1e-4
 
@@ -81,6 +86,20 @@ class RaggedAttentionTestBase:
     def test_bf16_bounds(self):
         out, ref = self.run_case(MIXED, group=4, dtype=jnp.bfloat16)
         assert rel_err(out, ref) < 1e-2
+
+    @pytest.mark.parametrize("block_tokens,small_block_tokens,page_size", [(32, 128, 16), (64, 16, 32)])
+    def test_small_block_tokens(self, block_tokens, small_block_tokens, page_size):
+        config = rpa.RaggedConfig(block_q_rows=32, block_tokens=block_tokens, small_block_tokens=small_block_tokens)
+        out, ref = self.run_case(MIXED, group=4, page_size=page_size, config=config)
+        assert rel_err(out, ref) < 1e-4
+
+    def test_schedules_agree(self):
+        seqs = [(40, 100), (1, 300), (1, 7), (2, 64), (1, 1)]  # 5 prefill tiles and 4 small tiles
+        kwargs = dict(block_q_rows=32, block_tokens=32)
+        mixed, ref = self.run_case(seqs, group=4, config=rpa.RaggedConfig(schedule="interleave", **kwargs))
+        first, _ = self.run_case(seqs, group=4, config=rpa.RaggedConfig(schedule="prefill_first", **kwargs))
+        assert rel_err(mixed, ref) < 1e-4
+        np.testing.assert_allclose(np.asarray(mixed), np.asarray(first), rtol=1e-5, atol=1e-6)
 
     @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
     def test_quantised_pages(self, dtype):
@@ -114,13 +133,34 @@ class TestRaggedAttentionGpu(RaggedAttentionTestBase):
 
 def test_tile_metadata_exact():
     cu = jnp.asarray([0, 5, 6, 23, 23, 26, 26], jnp.int32)  # q_lens 5, 1, 17, 0, 3 | padding slot
-    seq, q0, counts = rpa.tile_metadata(cu, jnp.int32(5), block_q=8, small_block_q=4, max_tiles=10)
-    np.testing.assert_array_equal(np.asarray(counts), [6, 4])  # 4 prefill tiles, then 2 small ones
-    np.testing.assert_array_equal(np.asarray(seq)[:6], [0, 2, 2, 2, 1, 4])
-    np.testing.assert_array_equal(np.asarray(q0)[:6], [0, 6, 14, 22, 5, 23])
-    seq, q0, counts = rpa.tile_metadata(cu, jnp.int32(5), block_q=8, small_block_q=0, max_tiles=10)
-    np.testing.assert_array_equal(np.asarray(counts), [6, 6])
-    np.testing.assert_array_equal(np.asarray(seq)[:6], [0, 1, 2, 2, 2, 4])
+    kwargs = dict(block_q=8, small_block_q=4, max_tiles=10)
+    p, s = rpa.PREFILL_TILE, rpa.SMALL_TILE
+    tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(5), schedule="prefill_first", **kwargs))
+    np.testing.assert_array_equal(tiles[:, :7], [[p, p, p, p, s, s, 0], [0, 2, 2, 2, 1, 4, 0],
+                                                 [0, 6, 14, 22, 5, 23, 0]])
+    np.testing.assert_array_equal(tiles[0, 6:], rpa.NO_TILE)
+    # interleave: prefill keys (2i+1)*2 = 2, 6, 10, 14; small keys (2j+1)*4 = 4, 12 -> p0 s0 p1 p2 s1 p3
+    tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(5), schedule="interleave", **kwargs))
+    np.testing.assert_array_equal(tiles[:, :7], [[p, s, p, p, s, p, 0], [0, 1, 2, 2, 4, 2, 0],
+                                                 [0, 5, 6, 14, 23, 22, 0]])
+    tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(5), block_q=8, small_block_q=0, max_tiles=10))
+    np.testing.assert_array_equal(tiles[:2, :7], [[p] * 6 + [0], [0, 1, 2, 2, 2, 4, 0]])  # all prefill
+    tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(2), **kwargs))  # slots 2.. are padding
+    np.testing.assert_array_equal(tiles[0, :3], [p, s, 0])
+
+
+@pytest.mark.parametrize("num_big,num_small", [(0, 5), (5, 0), (64, 60), (3, 17), (17, 3)])
+def test_interleave_is_a_permutation(num_big, num_small):
+    q_lens = [8] * num_big + [1] * num_small  # one prefill tile per 8-token sequence
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(len(q_lens)), block_q=8, small_block_q=4,
+                                         max_tiles=num_big + num_small + 2, schedule="interleave"))
+    kinds = tiles[0, : num_big + num_small]
+    assert (kinds == rpa.PREFILL_TILE).sum() == num_big and (kinds == rpa.SMALL_TILE).sum() == num_small
+    assert sorted(tiles[1, : num_big + num_small]) == list(range(num_big + num_small))  # each sequence once
+    if num_big and num_small:  # evenly spread: every run of one kind is at most ceil(ratio) + 1 long
+        runs = np.diff(np.flatnonzero(np.diff(np.r_[-1, kinds, -1])))
+        assert runs.max() <= -(-max(num_big, num_small) // min(num_big, num_small)) + 1
 
 
 def test_reference_decode_rows_match_paged_reference():
@@ -161,7 +201,8 @@ def test_validation_errors(change, match):
 
 @pytest.mark.parametrize("kwargs", [dict(block_q_rows=8), dict(block_q_rows=48), dict(block_tokens=100),
                                     dict(small_q_rows=8), dict(small_q_rows=24),
-                                    dict(num_warps=5), dict(num_stages=0)])
+                                    dict(num_warps=5), dict(num_stages=0), dict(schedule="paired"),
+                                    dict(small_block_tokens=8), dict(small_block_tokens=48)])
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         rpa.RaggedConfig(**kwargs)
