@@ -21,7 +21,8 @@ and lse = -inf.
 
 Modules: this one owns the public entry point, the Triton/interpret forward kernel, the custom VJP and
 `reference()`; flash_attention_bwd.py holds the dq and dk/dv kernels, flash_attention_mgpu.py the Hopper
-(Mosaic GPU) forward, flash_attention_common.py the tile sizes, masks and block ranges they share.
+(Mosaic GPU) forward, flash_attention_mgpu_bwd.py the Hopper backward, flash_attention_common.py the tile
+sizes, masks and block ranges they share.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import flash_attention_bwd, flash_attention_mgpu
+from pallas_kernels import flash_attention_bwd, flash_attention_mgpu, flash_attention_mgpu_bwd
 from pallas_kernels.flash_attention_common import (LN2, BlockSizes, KernelStatic, apply_mask, dot, kv_block_range,
                                                    scaled_logits, three_loops, visible)
 
@@ -160,10 +161,20 @@ def _flash_core_fwd(q, k, v, q_off, q_seg, k_seg, st: KernelStatic, fwd_impl: st
     return (o, lse), (q, k, v, q_off, q_seg, k_seg, o, lse)
 
 
+def _use_mgpu_backward(q, k, st: KernelStatic, fwd_impl: str) -> bool:
+    """The Mosaic GPU backward runs after a Mosaic GPU forward when it handles the call."""
+    q_multiple, k_multiple = flash_attention_mgpu_bwd.tile_multiples()
+    return (fwd_impl == "mosaic_gpu" and flash_attention_mgpu_bwd.supports(q.dtype, q.shape[-1], st)
+            and q.shape[1] % q_multiple == 0 and k.shape[1] % k_multiple == 0)
+
+
 def _flash_core_bwd(st: KernelStatic, fwd_impl: str, res, cotangents):
-    del fwd_impl  # the backward always runs the Triton-style kernels (interpreted when st.interpret)
     q, k, v, q_off, q_seg, k_seg, o, lse = res
     do, dlse = cotangents  # [B, Tq_pad, Hq, D], [B, Hq, Tq_pad]
+    if _use_mgpu_backward(q, k, st, fwd_impl):
+        dq, dk, dv = flash_attention_mgpu_bwd.backward(q, k, v, o, lse, do, dlse, st)
+        return dq, dk, dv, None, None, None
+    # Otherwise the Triton-style kernels (interpreted when st.interpret).
     # d lse / d s = p, so an lse cotangent folds into delta: ds = p * (dp - (rowsum(o * do) - dlse)).
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see no key: p = exp(s - inf) = 0
@@ -220,7 +231,8 @@ def _flash_attention_pallas(q, k, v, q_offset, q_seg, k_seg, *, causal, sm_scale
     k_multiple = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
     if use_mgpu:
         mgpu_q, mgpu_k = flash_attention_mgpu.tile_multiples(head_dim)
-        q_multiple, k_multiple = max(q_multiple, mgpu_q), max(k_multiple, mgpu_k)
+        bwd_q, bwd_k = flash_attention_mgpu_bwd.tile_multiples()
+        q_multiple, k_multiple = max(q_multiple, mgpu_q, bwd_q), max(k_multiple, mgpu_k, bwd_k)
     tq_pad = -(-q_len // q_multiple) * q_multiple
     tk_pad = -(-kv_len // k_multiple) * k_multiple
     d_pad = max(16, _next_pow2(head_dim))  # zero columns change no dot product; Triton wants powers of two
@@ -306,8 +318,9 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_
         return_lse: also return the natural-log logsumexp of each row, [B, Hq, Tq] fp32 (-inf for empty rows).
         backend: None (fastest here), "mosaic_gpu", "triton", "interpret" or "xla" (see backend.py).
             "mosaic_gpu" runs the Hopper forward for bf16/f16 with D a multiple of 64, no segments, window or
-            soft cap and a Python-int q_offset, and the Triton forward otherwise; the backward is always the
-            Triton kernels.
+            soft cap and a Python-int q_offset, and the Triton forward otherwise; after a Mosaic GPU forward
+            in bf16 with D = 128 the backward is the Mosaic GPU kernels (flash_attention_mgpu_bwd.py),
+            else the Triton kernels.
         block_sizes: tile sizes for the Triton/interpret kernels; default BlockSizes.for_head_dim(D).
 
     Returns:
