@@ -25,6 +25,7 @@ TMA-reduce-adds it (fp32) into a zeroed dq buffer. Five matmuls instead of seven
 an H200 (benchmarks/results/flash_notes.md): the per-step barrier keeps the warpgroups in lockstep.
 
 D must be 128 (the fused path splits dQ's columns in two halves; D = 256 would not fit the registers).
+`backward(..., interpret=True)` runs the unfused kernels in the Mosaic GPU interpreter on a CPU.
 """
 
 from __future__ import annotations
@@ -94,17 +95,23 @@ class _Dims:
     kv_len: int  # unpadded
     dtype: object
     with_dq: bool = True  # the fused kernel; False: dk/dv only
+    interpret: bool = False  # the Mosaic GPU interpreter (CPU tests): accumulate without pl.run_state
 
 
-def backward(q, k, v, o, lse, do, dlse, st, cfg: MgpuBwdConfig | None = None):
+def backward(q, k, v, o, lse, do, dlse, st, cfg: MgpuBwdConfig | None = None, interpret: bool = False):
     """(dq, dk, dv) for padded q/do/o [B, Tq_pad, Hq, D], k/v [B, Tk_pad, Hkv, D], lse/dlse [B, Hq, Tq_pad].
 
     lse is the forward's natural-log logsumexp; dlse its cotangent. Tq_pad and Tk_pad must be multiples of
-    128 (`tile_multiples`); the caller slices the padding off.
+    128 (`tile_multiples`); the caller slices the padding off. `interpret` runs the unfused kernels in the
+    Mosaic GPU interpreter (CPU tests). It lacks pl.run_state, wgmma with A in registers and TMA reductions,
+    so there each product stages A through SMEM into a fresh accumulator (`_mma_add`) and the fused variant
+    is refused; masks, block ranges, GQA loops and the barrier protocol are the GPU kernels' own.
     """
     batch, tq_pad, hq, head_dim = q.shape
     tk_pad, hkv = k.shape[1], k.shape[2]
     cfg = cfg or MgpuBwdConfig()
+    if interpret and cfg.fused:
+        raise ValueError("the fused variant needs TMA reduce-adds, which the Mosaic GPU interpreter lacks")
     if head_dim != 128 or tq_pad % KV_PER_CTA or tk_pad % KV_PER_CTA or hq % hkv:
         raise ValueError(f"mosaic_gpu backward needs D = 128, Tq and Tk multiples of {KV_PER_CTA} and "
                          f"Hq % Hkv == 0; got q {q.shape}, k {k.shape}")
@@ -114,10 +121,10 @@ def backward(q, k, v, o, lse, do, dlse, st, cfg: MgpuBwdConfig | None = None):
     do = do.astype(q.dtype)
     dims = _Dims(head_dim=head_dim, group=hq // hkv, steps=cfg.max_concurrent_steps,
                  num_q_blocks=-(-st.q_len // BLOCK), q_off=st.static_q_offset if st.causal else 0,
-                 causal=st.causal, kv_len=st.kv_len, dtype=q.dtype, with_dq=cfg.fused)
+                 causal=st.causal, kv_len=st.kv_len, dtype=q.dtype, with_dq=cfg.fused, interpret=interpret)
     if not cfg.fused:
         dk, dv = _dkv_call(q, k, v, do, lse2, delta, None, st.sm_scale, dims)
-        dq_dims = dataclasses.replace(dims, steps=cfg.dq_steps)
+        dq_dims = dataclasses.replace(dims, steps=min(cfg.dq_steps, tk_pad // cfg.dq_block_kv))
         return _dq_call(q, k, v, do, lse2, delta, st.sm_scale, cfg.dq_block_kv, dq_dims), dk, dv
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))  # [B, Tq_pad, Hq, D], TMA-reduced into
     dk, dv = _dkv_call(q, k, v, do, lse2, delta, dq_acc, st.sm_scale, dims)
@@ -146,7 +153,8 @@ def _dkv_call(q, k, v, do, lse2, delta, dq_acc, sm_scale, dims: _Dims):
              plgpu.SMEM((s, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # dO ring
              plgpu.SMEM((s, BLOCK), jnp.float32),  # lse2 ring
              plgpu.SMEM((s, BLOCK), jnp.float32),  # delta ring
-             *dq_scratch),
+             *dq_scratch,
+             _stage(dims, BLOCK)),
             (plgpu.Barrier(num_arrivals=2),  # K and V loaded
              plgpu.Barrier(num_arrivals=4, num_barriers=s),  # slot ready: Q, dO, lse2, delta
              plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=s),  # slot consumed
@@ -164,7 +172,43 @@ def _dkv_call(q, k, v, do, lse2, delta, dq_acc, sm_scale, dims: _Dims):
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if dims.interpret else None,
     )(q, k, v, do, lse2, delta, *(() if dq_acc is None else (dq_acc,)))
+
+
+def _drain_consumed(consumed, total, d: _Dims):
+    """Interpreter only: observe the ring's last `steps` consumed phases, which need no refill.
+
+    The interpreter insists that a thread which waits on a barrier observes every phase before it is freed;
+    the hardware does not care, so the GPU kernels skip these waits.
+    """
+    if not d.interpret:
+        return
+
+    @pl.loop(jnp.maximum(total - d.steps, 0), total)
+    def _(t):
+        plgpu.barrier_wait(consumed.at[lax.rem(t, jnp.array(d.steps, t.dtype))])
+
+
+def _stage(d: _Dims, cols: int):
+    """Interpreter only: an SMEM tile per compute warpgroup to stage wgmma's A operand ([64, cols])."""
+    return plgpu.SMEM((COMPUTE_WGS, BLOCK, cols), d.dtype, transforms=_BF16_TILES) if d.interpret else None
+
+
+def _mma_add(acc, a, b, a_smem):
+    """acc + a @ b in the interpreter's terms: A staged through SMEM, a fresh accumulator added in registers.
+
+    (The Mosaic GPU interpreter of jax 0.11.2 has no rule for pl.run_state and reads wgmma's A only from SMEM;
+    on a GPU the kernels accumulate in place with A from registers.)
+    """
+    a_smem[...] = a
+    plgpu.commit_smem()
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
 
 
 def _block_range(kv_first, d: _Dims):
@@ -190,7 +234,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref,
     smem, (kv_ready, ready, consumed, ds_ready, k_done) = scoped
     # k_smem, v_smem: [128, D]   q_smem, do_smem: [S, 64, D]   lse_smem, delta_smem: [S, 64] f32
     # ds_smem: [2, 128, 64]   dq_smem: [2, 64, D/2] f32
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, stage = smem
     wg = lax.axis_index("wg")
     kv_first = lax.axis_index("kv_seq") * KV_PER_CTA
     lo, full_lo, hi = _block_range(kv_first, d)
@@ -201,6 +245,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref,
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, None if dq_smem is None else dq_smem.at[wg],
+                    None if stage is None else stage.at[wg],
                     (kv_ready, ready, consumed, ds_ready, k_done), (lo, full_lo, hi, per_head), kv_first,
                     sm_scale=sm_scale, d=d)
 
@@ -239,9 +284,11 @@ def _memory_wg(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, k_smem, v_smem, 
         plgpu.barrier_wait(consumed.at[slot])
         issue(t + d.steps, slot)
 
+    _drain_consumed(consumed, total, d)
 
-def _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, dq_smem, barriers, bounds, kv_first, *,
-                sm_scale, d: _Dims):
+
+def _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, dq_smem, stage, barriers, bounds, kv_first,
+                *, sm_scale, d: _Dims):
     q_smem, do_smem, lse_smem, delta_smem = rings
     kv_ready, ready, consumed, ds_ready, k_done = barriers
     lo, full_lo, hi, per_head = bounds
@@ -287,7 +334,10 @@ def _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, dq_smem,
                 plgpu.wgmma(dv_ref, p_lo, do_s)
                 plgpu.wgmma(dk_ref, ds_lo, q_s)
 
-            dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+            if d.interpret:
+                dv, dk = _mma_add(dv, p_lo, do_s, stage), _mma_add(dk, ds_lo, q_s, stage)
+            else:
+                dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv
         ds_smem.at[dslot, my_rows][...] = ds_lo
@@ -353,7 +403,8 @@ def _dq_call(q, k, v, do, lse2, delta, sm_scale, block_kv: int, d: _Dims):
              plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),  # lse2
              plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),  # delta
              plgpu.SMEM((d.steps, block_kv, head_dim), q.dtype, transforms=_BF16_TILES),  # K ring
-             plgpu.SMEM((d.steps, block_kv, head_dim), q.dtype, transforms=_BF16_TILES)),  # V ring
+             plgpu.SMEM((d.steps, block_kv, head_dim), q.dtype, transforms=_BF16_TILES),  # V ring
+             _stage(d, block_kv)),
             (plgpu.Barrier(num_arrivals=4, num_barriers=COMPUTE_WGS),  # Q, dO, lse2, delta of each warpgroup
              plgpu.Barrier(num_arrivals=2, num_barriers=d.steps),  # K and V block ready
              plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=d.steps)),  # slot consumed
@@ -368,6 +419,7 @@ def _dq_call(q, k, v, do, lse2, delta, sm_scale, block_kv: int, d: _Dims):
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if d.interpret else None,
     )(q, k, v, do, lse2, delta)
 
 
@@ -376,7 +428,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
     # q_ref, do_ref, dq_ref: [B, Tq_pad, Hq, D] GMEM    k_ref, v_ref: [B, Tk_pad, Hkv, D] GMEM
     # lse_ref (log2 domain), delta_ref: [B, Hq, Tq_pad] f32
     smem, (q_ready, kv_ready, consumed) = scoped
-    q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
+    q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, stage = smem
     wg = lax.axis_index("wg")
     q_tile = lax.axis_index("q_seq")
     if d.causal:  # heaviest query tiles first, so the tail of the grid is short
@@ -395,7 +447,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         own = (q_smem2.at[wg], do_smem2.at[wg], lse_smem2.at[wg], delta_smem2.at[wg])
-        _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, k_smem, v_smem,
+        _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, None if stage is None else stage.at[wg],
+                       k_smem, v_smem,
                        (q_ready.at[wg], kv_ready, consumed), (full_hi, hi), cta_first + wg * BLOCK,
                        sm_scale=sm_scale, block_kv=block_kv, d=d)
 
@@ -410,7 +463,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], kv_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], kv_ready.at[slot])
 
-        for i in range(d.steps):
+        for i in range(d.steps):  # prologue (d.steps <= the number of key blocks, so the slices are in bounds)
             pl.when(i < hi)(lambda i=i: issue(i, i))
 
         @pl.loop(0, jnp.maximum(hi - d.steps, 0))
@@ -419,9 +472,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
             plgpu.barrier_wait(consumed.at[slot])
             issue(t + d.steps, slot)
 
+        _drain_consumed(consumed, hi, d)
 
-def _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, k_smem, v_smem, barriers, bounds, q_base, *,
-                   sm_scale, block_kv: int, d: _Dims):
+
+def _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, stage, k_smem, v_smem, barriers, bounds, q_base,
+                   *, sm_scale, block_kv: int, d: _Dims):
     q_smem, do_smem, lse_smem, delta_smem = own  # [64, D], [64, D], [64] f32, [64] f32
     q_ready, kv_ready, consumed = barriers
     full_hi, hi = bounds
@@ -462,7 +517,7 @@ def _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, k_smem, v_sme
         def acc_dq(dq_ref_):
             plgpu.wgmma(dq_ref_, ds, k_s)
 
-        dq = pl.run_state(acc_dq)(plgpu.ACC.init(dq))
+        dq = _mma_add(dq, ds, k_s, stage) if d.interpret else pl.run_state(acc_dq)(plgpu.ACC.init(dq))
         plgpu.barrier_arrive(consumed.at[slot])
         return dq
 
