@@ -48,8 +48,8 @@ MGPU_CONFIGS = {
 # dq TMA-reduce-added in fp32 (first H200 run: 312 causal / 348 full TFLOP/s, below the Triton backward).
 MGPU_BWD_CONFIGS = {
     "fused_s2": mgpu_bwd.MgpuBwdConfig(fused=True, max_concurrent_steps=2),
-    "s2_dq64x3": mgpu_bwd.MgpuBwdConfig(max_concurrent_steps=2, dq_block_kv=64, dq_steps=3),
-    "s3_dq64x3": mgpu_bwd.MgpuBwdConfig(max_concurrent_steps=3, dq_block_kv=64, dq_steps=3),  # the default
+    "s2_dq64x3": mgpu_bwd.MgpuBwdConfig(max_concurrent_steps=2, dq_block_kv=64, dq_steps=3),  # the default
+    "s3_dq64x3": mgpu_bwd.MgpuBwdConfig(max_concurrent_steps=3, dq_block_kv=64, dq_steps=3),
     "s4_dq64x4": mgpu_bwd.MgpuBwdConfig(max_concurrent_steps=4, dq_block_kv=64, dq_steps=4),
 }  # s3 with 128-key dq steps measured 1-2% under these (flash_bwd_2026-12-01.json)
 # dq tile [block_q_dq, block_k_dq], dk/dv tile [block_k_dkv, block_q_dkv]; 64x64 w4 s2 led the first run.

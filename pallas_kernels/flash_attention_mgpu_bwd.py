@@ -58,7 +58,9 @@ class MgpuBwdConfig:
     """
 
     fused: bool = False
-    max_concurrent_steps: int = 3  # H200, B4 S4096 H32 D128: s2/s3/s4 within 2% of each other (noise)
+    # H200, B4 S4096 H32 D128, two runs (benchmarks/results/flash_bwd_2026-12-01.json, kernels_2026-12-01_flash.json):
+    # 2 slots averaged 424 / 441 TFLOP/s (causal / full), 3 slots 412 / 434.
+    max_concurrent_steps: int = 2
     dq_block_kv: int = 64
     dq_steps: int = 3
 
