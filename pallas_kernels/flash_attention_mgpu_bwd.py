@@ -178,6 +178,21 @@ def _dkv_call(q, k, v, do, lse2, delta, dq_acc, sm_scale, dims: _Dims):
     )(q, k, v, do, lse2, delta, *(() if dq_acc is None else (dq_acc,)))
 
 
+def _produce_ring(issue, total, consumed, d: _Dims):
+    """TMA producer loop: `issue(t, slot)` loads step t into ring slot `slot`; the first `d.steps` steps fill
+    the ring, and every later step waits until the compute warpgroups release its slot on `consumed`."""
+    for i in range(d.steps):
+        pl.when(i < total)(lambda i=i: issue(jnp.int32(i), i))
+
+    @pl.loop(0, jnp.maximum(total - d.steps, 0))
+    def _refill(t):
+        slot = lax.rem(t, jnp.array(d.steps, t.dtype))
+        plgpu.barrier_wait(consumed.at[slot])
+        issue(t + d.steps, slot)
+
+    _drain_consumed(consumed, total, d)
+
+
 def _drain_consumed(consumed, total, d: _Dims):
     """Interpreter only: observe the ring's last `steps` consumed phases, which need no refill.
 
@@ -277,16 +292,7 @@ def _memory_wg(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, k_smem, v_smem, 
         plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_smem.at[slot], ready.at[slot])
         plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_smem.at[slot], ready.at[slot])
 
-    for i in range(d.steps):  # prologue: fill the ring
-        pl.when(i < total)(lambda i=i: issue(jnp.int32(i), i))
-
-    @pl.loop(0, jnp.maximum(total - d.steps, 0))
-    def _refill(t):
-        slot = lax.rem(t, jnp.array(d.steps, t.dtype))
-        plgpu.barrier_wait(consumed.at[slot])
-        issue(t + d.steps, slot)
-
-    _drain_consumed(consumed, total, d)
+    _produce_ring(issue, total, consumed, d)
 
 
 def _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, dq_smem, stage, barriers, bounds, kv_first,
@@ -465,16 +471,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], kv_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], kv_ready.at[slot])
 
-        for i in range(d.steps):  # prologue (d.steps <= the number of key blocks, so the slices are in bounds)
-            pl.when(i < hi)(lambda i=i: issue(i, i))
-
-        @pl.loop(0, jnp.maximum(hi - d.steps, 0))
-        def _refill(t):
-            slot = lax.rem(t, jnp.array(d.steps, t.dtype))
-            plgpu.barrier_wait(consumed.at[slot])
-            issue(t + d.steps, slot)
-
-        _drain_consumed(consumed, hi, d)
+        _produce_ring(issue, hi, consumed, d)  # d.steps <= the key blocks: the prologue stays in bounds
 
 
 def _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, stage, k_smem, v_smem, barriers, bounds, q_base,
