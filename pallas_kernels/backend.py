@@ -93,3 +93,16 @@ def resolve_backend(backend: str | None, kernel_name: str) -> str:
         where = platform if capability is None else f"{platform} sm_{capability[0]}{capability[1]}"
         raise ValueError(f"{kernel_name}: backend {backend!r} cannot run on the default device ({where})")
     return backend
+
+
+def out_struct(shape, dtype, inputs) -> jax.ShapeDtypeStruct:
+    """The type of a kernel output that varies over every manual mesh axis any of `inputs` varies over.
+
+    Inside `jax.shard_map(..., check_vma=True)` (the default) a pallas_call must say how its outputs vary across the
+    mesh; outside shard_map nothing varies and this is a plain ShapeDtypeStruct. This is what lets a kernel run
+    per device on its own KV heads (tests/test_sharding.py).
+    """
+    mats = [jax.typeof(x).mat for x in inputs]
+    varying = frozenset().union(*(m.varying for m in mats))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
+

@@ -127,7 +127,8 @@ def _fwd_call(q, k, v, q_off, q_seg, k_seg, st: KernelStatic):
         None if k_seg is None else pl.BlockSpec((None, tk_pad), lambda i, b, h: (b, 0)),
     ]
     out_specs = [pl.BlockSpec((None, bq, None, head_dim), q_block), pl.BlockSpec((None, None, bq), lse_block)]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, hq, tq_pad), jnp.float32)]
+    out_shape = [backend_lib.out_struct(q.shape, q.dtype, (q, k, v)),
+                 backend_lib.out_struct((batch, hq, tq_pad), jnp.float32, (q, k, v))]
     return pl.pallas_call(
         kernel,
         grid=(nq, batch, hq),

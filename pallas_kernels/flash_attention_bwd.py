@@ -16,6 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.backend import out_struct
 from pallas_kernels.flash_attention_common import (LOG2E, KernelStatic, apply_mask, dot, kv_block_range,
                                                    q_block_range, scaled_logits, soft_cap_grad, three_loops,
                                                    visible)
@@ -122,7 +123,7 @@ def dq_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st: KernelStatic):
         grid=(tq_pad // bq, batch, hq),
         in_specs=in_specs,
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_struct(q.shape, q.dtype, (q, k, v, do)),
         compiler_params=_bwd_params(st),
         interpret=st.interpret,
         name="flash_attention_dq",
@@ -148,7 +149,7 @@ def dkv_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st: KernelStatic):
         grid=(tk_pad // bk, batch, hkv),
         in_specs=in_specs,
         out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[out_struct(k.shape, k.dtype, (q, k, v, do)), out_struct(v.shape, v.dtype, (q, k, v, do))],
         compiler_params=_bwd_params(st),
         interpret=st.interpret,
         name="flash_attention_dkv",

@@ -48,6 +48,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import config as jax_config  # no public getter for the forced interpret mode in jax 0.11.2
 
+from pallas_kernels.backend import out_struct
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 COMPUTE_WGS = 2
@@ -136,7 +138,7 @@ def forward(q, k, v, st, cfg: MgpuConfig | None = None, interpret=None):
 
     return plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, hq, tq_pad), jnp.float32)),
+        out_type=(out_struct(q.shape, q.dtype, (q, k, v)), out_struct((batch, hq, tq_pad), jnp.float32, (q, k, v))),
         grid=(num_q_tiles, hq, batch) if cfg.q_tiles_fastest else (hq, num_q_tiles, batch),
         grid_names=("q_seq", "heads", "batch") if cfg.q_tiles_fastest else ("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,

@@ -39,6 +39,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.backend import out_struct
+
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2
 BLOCK = 64  # keys per compute warpgroup and queries per step (one wgmma M tile)
@@ -165,7 +167,7 @@ def _dkv_call(q, k, v, do, lse2, delta, dq_acc, sm_scale, dims: _Dims):
             collective_axes="wg",
         )
 
-    kv_out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    kv_out = out_struct(k.shape, k.dtype, (q, k, v, do))
     return plgpu.kernel(
         entry,
         out_type=(kv_out, kv_out),
@@ -421,7 +423,7 @@ def _dq_call(q, k, v, do, lse2, delta, sm_scale, block_kv: int, d: _Dims):
 
     return plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_type=out_struct(q.shape, q.dtype, (q, k, v, do)),
         grid=(num_q_tiles, hq, batch),  # query tiles fastest: co-resident CTAs share K/V
         grid_names=("q_seq", "heads", "batch"),
         num_threads=COMPUTE_WGS + 1,

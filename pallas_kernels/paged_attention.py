@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import out_struct, resolve_backend
 
 LOG2E = math.log2(math.e)
 # Finite so that exp2(mask - max) is exactly 0 and never NaN, even for rows with no valid key yet.
@@ -227,15 +227,16 @@ def _build_decode_call(q4, k_pages, v_pages, k_scales, v_scales, block_tables, l
         None if k_scales is None else scale_spec,
         None if v_scales is None else scale_spec,
     ]
+    out = functools.partial(out_struct, inputs=(q4, k_pages, v_pages, block_tables, lengths))
     if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct(q4.shape, out_dtype), None, None]
+        out_shape = [out(q4.shape, out_dtype), None, None]
         out_specs = [pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)), None, None]
     else:
         part = (num_splits, batch, num_kv_heads, rows)
         out_shape = [
-            jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
+            out(part + (head_dim,), jnp.float32),
+            out(part, jnp.float32),
+            out(part, jnp.float32),
         ]
         row_spec = pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0))
         out_specs = [

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import out_struct, resolve_backend
 from pallas_kernels.paged_attention import (
     MASK_VALUE,
     LOG2E,
@@ -280,7 +280,7 @@ def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_se
         grid=(num_kv_heads, max_tiles),
         in_specs=in_specs,
         out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        out_shape=out_struct(q_rows.shape, q.dtype, (q_rows, k_pages, v_pages, block_tables, kv_lens)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"ragged_paged_ps{page_size}_m{rows}_bt{config.block_tokens}_{pages_per_block[1]}_{config.schedule}",
