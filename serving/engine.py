@@ -40,7 +40,7 @@ class EngineConfig:
     attention_backend: str | None = None
     decode_steps: int = 8
     policy: str = "fcfs"
-    warmup: bool = False
+    warmup: bool | None = None  # None: on accelerators only (compiling every bucket takes minutes on a CPU)
 
     def __post_init__(self):
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
@@ -77,6 +77,7 @@ class LLMEngine:
         c = self.config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(model.cfg.eos_token_ids)
+        self.vocab_size = model.cfg.vocab_size
         self.max_model_len = max_model_len
         default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
         num_blocks = c.num_kv_blocks or size_kv_pool(model, c.block_size, model.dtype, c.kv_cache_memory_fraction,
@@ -92,8 +93,21 @@ class LLMEngine:
         self._rng = random.Random(0)
         self.num_steps = 0
         self.num_decode_loops = 0
-        if c.warmup:
-            self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else ())
+        if c.warmup or (c.warmup is None and jax.default_backend() != "cpu"):
+            self.warmup()
+
+    def warmup(self) -> None:
+        """Compiles, before any request, every step bucket, the decode loop and the sampler for every row bucket.
+
+        Greedy and random sampling share one sampler executable per row bucket; the variants with penalties or
+        logprobs compile on their first use.
+        """
+        c = self.config
+        self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else ())
+        for s in self.runner.decode_buckets:  # the shapes `_sample` passes: float32 logits [s, V], banned [s, 8]
+            logits = jax.numpy.zeros((s, self.vocab_size), jax.numpy.float32)
+            banned = np.full((s, _MAX_BANNED), -1, np.int32)
+            jax.block_until_ready(sample_rows(logits, SamplingTensors.from_rows([{}] * s), None, None, banned))
 
     # Requests ------------------------------------------------------------------------------------------------
 
@@ -101,6 +115,10 @@ class LLMEngine:
                     prompt: str | None = None, priority: int = 0) -> str:
         """Queues a request; raises ValueError (with the reason) if it can never be served."""
         params.validate()
+        banned = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.eos_token_ids))
+        if params.min_tokens and banned > _MAX_BANNED:
+            raise ValueError(f"min_tokens needs EOS and stop_token_ids banned until then; at most {_MAX_BANNED} ids "
+                             f"can be, this request has {banned} (EOS ids: {len(self.eos_token_ids)})")
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(31))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -340,14 +358,17 @@ def _pad_ids(lists: Sequence[Sequence[int]], s: int) -> np.ndarray:
     return out
 
 
+_MAX_BANNED = 8  # token ids banned per row before min_tokens (EOS + stop ids); more are not enforced
+
+
 def _banned(reqs: Sequence[Request], s: int) -> np.ndarray:
     """EOS and stop ids are banned for rows that have not reached min_tokens."""
-    out = np.full((s, 8), -1, np.int32)
+    out = np.full((s, _MAX_BANNED), -1, np.int32)
     for i, r in enumerate(reqs):
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
             ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            out[i, :min(8, len(ids))] = ids[:8]
+            out[i, :min(_MAX_BANNED, len(ids))] = ids[:_MAX_BANNED]
     return out
 
 

@@ -139,8 +139,8 @@ def _describe_api(fastapi_app: FastAPI, model_name: str) -> None:
 
 
 def _warmup(engine) -> None:
-    """Compiles every step bucket, then runs one short request so that sampling is compiled too."""
-    engine.runner.warmup((engine.config.decode_steps,) if engine.config.decode_steps > 1 else ())
+    """Compiles every step bucket and the sampler, then runs one short request end to end."""
+    engine.warmup()
     engine.generate([None], [[0, 1, 2]], max_tokens=2, temperature=0.0)
 
 

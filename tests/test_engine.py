@@ -16,6 +16,7 @@ import pytest
 from serving.engine import LLMEngine
 from serving.reference_generate import generate_reference
 from serving.request import SamplingParams
+from serving.runner import sample_rows
 from serving.scheduler import Scheduler
 
 MAX_MODEL_LEN = 128
@@ -374,6 +375,30 @@ def test_no_recompilation_while_serving(engine):
     use_scheduler(engine, num_blocks=24)  # preemption and recompute too
     run(engine, _mixed_workload(11))
     assert runner.num_compiles == compiled
+
+
+
+def test_warmup_compiles_steps_and_sampler(engine):
+    """After LLMEngine.warmup nothing compiles for greedy and sampled requests: step buckets and the sampler of
+    every row bucket (runner executables and the jitted sampler's cache stay the same size)."""
+    engine.warmup()
+    compiled, sampler = engine.runner.num_compiles, sample_rows._cache_size()
+    use_scheduler(engine)
+    prompts = _random_prompts(21, [5, 40, 3, 17, 60, 9])
+    run(engine, [(p, greedy(6) if i % 2 else SamplingParams(max_tokens=7, temperature=0.8, top_p=0.9, seed=i))
+                 for i, p in enumerate(prompts)])
+    assert engine.runner.num_compiles == compiled
+    assert sample_rows._cache_size() == sampler
+
+
+def test_min_tokens_with_too_many_stop_ids_is_rejected(engine):
+    with pytest.raises(ValueError, match="at most 8 ids"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=tuple(range(10, 20))))
+    assert not engine.has_unfinished()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True,
+                                                 stop_token_ids=tuple(range(10, 18))))  # exactly 8: accepted
+    while engine.has_unfinished():
+        engine.step()
 
 
 # Pallas kernels --------------------------------------------------------------------------------------------------
