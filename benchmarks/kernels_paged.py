@@ -41,12 +41,15 @@ DECODE_CONFIGS = {
     + [pa.PagedAttentionConfig(block_tokens=bt, num_splits=s, num_warps=w, num_stages=st)
        for bt, s, w, st in [(64, 8, 4, 4), (64, 32, 4, 4), (32, 16, 4, 4)]],
 }
-RAGGED_CONFIGS = [rpa.RaggedConfig()] + [  # round 3 (paged_notes.md): the runners-up and one interleaved order
+# Round 3's runners-up, then two untimed candidates from the Nsight Compute profile of the default (255 registers
+# per thread and 98 KB SMEM per 4-warp program -> 2 programs per SM; ncu_ragged_mixed_2026-12-01.txt): 8 warps on
+# 128-row tiles (half the registers per thread) and 64-row tiles (less SMEM per program).
+RAGGED_CONFIGS = [rpa.RaggedConfig()] + [
     rpa.RaggedConfig(block_q_rows=m, small_q_rows=16, block_tokens=bt, small_block_tokens=sbt, num_warps=w,
                      num_stages=st, schedule=sched)
     for m, bt, sbt, w, st, sched in [
         (128, 64, None, 4, 3, "prefill_first"), (128, 64, 128, 4, 2, "prefill_first"),
-        (256, 64, None, 8, 2, "prefill_first"), (128, 64, None, 4, 3, "interleave"),
+        (128, 64, None, 8, 2, "prefill_first"), (64, 64, None, 4, 3, "prefill_first"),
     ]
 ]
 RAGGED_CONFIGS = list(dict.fromkeys(RAGGED_CONFIGS))  # the default may repeat a sweep entry
