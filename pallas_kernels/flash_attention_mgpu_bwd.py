@@ -180,6 +180,17 @@ def _dkv_call(q, k, v, do, lse2, delta, dq_acc, sm_scale, dims: _Dims):
     )(q, k, v, do, lse2, delta, *(() if dq_acc is None else (dq_acc,)))
 
 
+def _two_products(shape, first, second):
+    """(a @ b for (a, b) in first, second) in f32 registers: two wgmmas into fresh [shape] accumulators
+    (the scores S and dP = dO V^T, or their transposes, of one tile)."""
+    def body(acc0, acc1):
+        plgpu.wgmma(acc0, *first)
+        plgpu.wgmma(acc1, *second)
+        return acc0[...], acc1[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
 def _produce_ring(issue, total, consumed, d: _Dims):
     """TMA producer loop: `issue(t, slot)` loads step t into ring slot `slot`; the first `d.steps` steps fill
     the ring, and every later step waits until the compute warpgroups release its slot on `consumed`."""
@@ -318,12 +329,7 @@ def _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, dq_smem,
         q_s, do_s = q_smem.at[slot], do_smem.at[slot]
         plgpu.barrier_wait(ready.at[slot])
 
-        def scores(s_ref, dp_ref):
-            plgpu.wgmma(s_ref, k_w, q_s.transpose((1, 0)))
-            plgpu.wgmma(dp_ref, v_w, do_s.transpose((1, 0)))
-            return s_ref[...], dp_ref[...]
-
-        s_t, dp_t = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+        s_t, dp_t = _two_products(shape, (k_w, q_s.transpose((1, 0))), (v_w, do_s.transpose((1, 0))))
         lse2 = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))  # [64] per query column
         delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         s_t = s_t * scale2
@@ -498,12 +504,7 @@ def _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, stage, k_smem
         k_s, v_s = k_smem.at[slot], v_smem.at[slot]
         plgpu.barrier_wait(kv_ready.at[slot])
 
-        def scores(s_ref, dp_ref):
-            plgpu.wgmma(s_ref, q_smem, k_s.transpose((1, 0)))
-            plgpu.wgmma(dp_ref, do_smem, v_s.transpose((1, 0)))
-            return s_ref[...], dp_ref[...]
-
-        s, dp = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+        s, dp = _two_products(shape, (q_smem, k_s.transpose((1, 0))), (do_smem, v_s.transpose((1, 0))))
         s = s * scale2
         if masked:
             kpos = t * block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
