@@ -39,8 +39,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import flash_attention_bwd, flash_attention_mgpu, flash_attention_mgpu_bwd
-from pallas_kernels.flash_attention_common import (LN2, BlockSizes, KernelStatic, apply_mask, dot, kv_block_range,
-                                                   scaled_logits, three_loops, visible)
+from pallas_kernels.flash_attention_common import (LN2, BlockSizes, KernelStatic, apply_mask, backward_inputs, dot,
+                                                   kv_block_range, scaled_logits, three_loops, visible)
 
 __all__ = ["BlockSizes", "flash_attention", "reference"]
 _SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -176,10 +176,7 @@ def _flash_core_bwd(st: KernelStatic, fwd_impl: str, res, cotangents):
         dq, dk, dv = flash_attention_mgpu_bwd.backward(q, k, v, o, lse, do, dlse, st)
         return dq, dk, dv, None, None, None
     # Otherwise the Triton-style kernels (interpreted when st.interpret).
-    # d lse / d s = p, so an lse cotangent folds into delta: ds = p * (dp - (rowsum(o * do) - dlse)).
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
-    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see no key: p = exp(s - inf) = 0
-    do = do.astype(q.dtype)
+    delta, lse, do = backward_inputs(o, lse, do, dlse, q.dtype)
     dq = flash_attention_bwd.dq_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st)
     dk, dv = flash_attention_bwd.dkv_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st)
     return dq, dk, dv, None, None, None

@@ -170,3 +170,13 @@ def dot(a, b, trans_b=False):
     # fp32 inputs get IEEE products (Triton's default for fp32 is TF32, ~3e-4 relative error).
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 and b.dtype == jnp.float32 else None
     return pltriton.dot(a, b, trans_b=trans_b, precision=precision)
+
+
+def backward_inputs(o, lse, do, dlse, dtype):
+    """(delta [B, Hq, Tq] f32, lse with empty rows at +inf, do in `dtype`) for the backward kernels.
+
+    d lse / d s = p, so an lse cotangent folds into delta: ds = p * (dp - (rowsum(o * do) - dlse)). A row that saw
+    no key has lse = -inf; +inf makes its p = exp(s - lse) = 0 in the backward.
+    """
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
+    return delta, jnp.where(lse == -jnp.inf, jnp.inf, lse), do.astype(dtype)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.backend import out_struct
+from pallas_kernels.flash_attention_common import backward_inputs
 
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2
@@ -119,10 +120,8 @@ def backward(q, k, v, o, lse, do, dlse, st, cfg: MgpuBwdConfig | None = None, in
     if head_dim != 128 or tq_pad % KV_PER_CTA or tk_pad % KV_PER_CTA or hq % hkv:
         raise ValueError(f"mosaic_gpu backward needs D = 128, Tq and Tk multiples of {KV_PER_CTA} and "
                          f"Hq % Hkv == 0; got q {q.shape}, k {k.shape}")
-    # d lse / d s = p, so an lse cotangent folds into delta: ds = p * (dp - (rowsum(o * do) - dlse)).
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse  # [B, Hq, Tq]
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse) * LOG2E  # rows that see no key get p = 0
-    do = do.astype(q.dtype)
+    delta, lse, do = backward_inputs(o, lse, do, dlse, q.dtype)  # delta [B, Hq, Tq]
+    lse2 = lse * LOG2E
     dims = _Dims(head_dim=head_dim, group=hq // hkv, steps=cfg.max_concurrent_steps,
                  num_q_blocks=-(-st.q_len // BLOCK), q_off=st.static_q_offset if st.causal else 0,
                  causal=st.causal, kv_len=st.kv_len, dtype=q.dtype, with_dq=cfg.fused, interpret=interpret)
