@@ -21,7 +21,7 @@ serve: model
 	@$(PY) -m serving.server
 
 bench: model
-	@$(PY) -m serving.bench
+	@$(PY) -m benchmarks.bench
 
 build-check: setup
 	@$(PY) tools/gen_build.py --check

@@ -18,7 +18,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks.timing import median_seconds
 from pallas_kernels import flash_attention as fa
@@ -33,11 +32,11 @@ VARIANTS = {
     "q64k128s2_r240": mgpu.MgpuConfig(compute_registers=240, **_SPLIT),
     "q64k128s2_pipe": mgpu.MgpuConfig(pipelined=True, **_SPLIT),  # non-causal D=128 default since round 3
     "q64k128s2_pipe_r240": mgpu.MgpuConfig(pipelined=True, compute_registers=240, **_SPLIT),
-    "q128k64s3_r240": mgpu.MgpuConfig(block_q=128, block_kv=64, max_concurrent_steps=3, compute_registers=240,
-                                      **_SPLIT),
+    "q128k64s3_r240": mgpu.MgpuConfig(
+        block_q=128, block_kv=64, max_concurrent_steps=3, compute_registers=240, **_SPLIT
+    ),
     "q64k128s2_qfast": mgpu.MgpuConfig(q_tiles_fastest=True, **_SPLIT),
-    "q64k128s2_pipe_r240_qfast": mgpu.MgpuConfig(pipelined=True, compute_registers=240, q_tiles_fastest=True,
-                                                 **_SPLIT),
+    "q64k128s2_pipe_r240_qfast": mgpu.MgpuConfig(pipelined=True, compute_registers=240, q_tiles_fastest=True, **_SPLIT),
 }
 
 
@@ -48,9 +47,18 @@ def _inputs(batch, seq, heads, head_dim, dtype, seed=0):
 
 
 def _ours(cfg, causal, seq, head_dim):
-    st = KernelStatic(causal=causal, sm_scale=head_dim**-0.5, sliding_window=None, logits_soft_cap=None,
-                      q_len=seq, kv_len=seq, has_segments=False, blocks=BlockSizes(), interpret=False,
-                      static_q_offset=0)
+    st = KernelStatic(
+        causal=causal,
+        sm_scale=head_dim**-0.5,
+        sliding_window=None,
+        logits_soft_cap=None,
+        q_len=seq,
+        kv_len=seq,
+        has_segments=False,
+        blocks=BlockSizes(),
+        interpret=False,
+        static_q_offset=0,
+    )
     return jax.jit(lambda q, k, v: mgpu.forward(q, k, v, st, cfg=cfg)[0])
 
 
@@ -88,13 +96,19 @@ def main():
             if not causal:
                 impls["ours_fp16_q64k128s2"] = (_ours(VARIANTS["q64k128s2"], causal, seq, head_dim), f16)
                 # The public entry point's default (in the 2026-12-01 run: q64k128s2 with split refill).
-                impls["ours_entry_point"] = (jax.jit(functools.partial(
-                    fa.flash_attention, causal=causal, backend="mosaic_gpu")), bf)
-            impls["cudnn"] = (jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                                        implementation="cudnn")), bf)
+                impls["ours_entry_point"] = (
+                    jax.jit(functools.partial(fa.flash_attention, causal=causal, backend="mosaic_gpu")),
+                    bf,
+                )
+            impls["cudnn"] = (
+                jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")),
+                bf,
+            )
             cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
-            impls["jax_attention_mgpu_fp16_noscale"] = (jax.jit(functools.partial(
-                attention_mgpu.attention, config=cfg)), f16)
+            impls["jax_attention_mgpu_fp16_noscale"] = (
+                jax.jit(functools.partial(attention_mgpu.attention, config=cfg)),
+                f16,
+            )
             for name, (fn, xs) in impls.items():
                 row = dict(impl=name, batch=batch, seq=seq, heads=heads, head_dim=head_dim, causal=causal)
                 try:

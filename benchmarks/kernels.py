@@ -45,7 +45,7 @@ def ceilings() -> dict:
         a = jax.random.normal(jax.random.key(0), (m, m), jnp.float32).astype(dtype)
         mm = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.bfloat16))
         try:
-            out[f"matmul_{name}_TFLOPs"] = 2 * m ** 3 / median_seconds(mm, a, a) / 1e12
+            out[f"matmul_{name}_TFLOPs"] = 2 * m**3 / median_seconds(mm, a, a) / 1e12
         except Exception as e:  # fp8 dots need Hopper; report rather than fail the whole run.
             out[f"matmul_{name}_TFLOPs"] = f"unavailable: {type(e).__name__}"
     return out

@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import median_seconds
+from pallas_kernels import flash_attention_mgpu_bwd as mgpu_bwd
 from pallas_kernels import shapes
-from pallas_kernels.flash_attention_common import KernelStatic
 from pallas_kernels.flash_attention import BlockSizes, flash_attention
+from pallas_kernels.flash_attention_common import KernelStatic
 from pallas_kernels.flash_attention_mgpu import MgpuConfig
 from pallas_kernels.flash_attention_mgpu import forward as mgpu_forward
-from pallas_kernels import flash_attention_mgpu_bwd as mgpu_bwd
-from benchmarks.timing import median_seconds
 
 # First H200 run (results/flash_*_triton_first.json): q128k64w8s3 best causal, q64k64w4s3 best full (+1%).
 FWD_CONFIGS = {
@@ -56,10 +56,12 @@ MGPU_BWD_CONFIGS = {
 BWD_CONFIGS = {
     "dq64x64_dkv64x64_w4s2": BlockSizes(),
     "dq64x64_dkv64x64_w4s3": BlockSizes(num_stages_bwd=3),
-    "dq128x32_dkv32x128_w4s3": BlockSizes(block_q_dq=128, block_k_dq=32, block_q_dkv=32, block_k_dkv=128,
-                                          num_warps_bwd=4, num_stages_bwd=3),
-    "dq128x64_dkv64x128_w8s3": BlockSizes(block_q_dq=128, block_k_dq=64, block_q_dkv=64, block_k_dkv=128,
-                                          num_warps_bwd=8, num_stages_bwd=3),
+    "dq128x32_dkv32x128_w4s3": BlockSizes(
+        block_q_dq=128, block_k_dq=32, block_q_dkv=32, block_k_dkv=128, num_warps_bwd=4, num_stages_bwd=3
+    ),
+    "dq128x64_dkv64x128_w8s3": BlockSizes(
+        block_q_dq=128, block_k_dq=64, block_q_dkv=64, block_k_dkv=128, num_warps_bwd=8, num_stages_bwd=3
+    ),
 }
 
 
@@ -79,31 +81,56 @@ def forward_impls(shape: shapes.AttentionShape, quick: bool, mgpu: bool = True):
     impls = {}
     configs = {"q128k64w8s3": FWD_CONFIGS["q128k64w8s3"]} if quick else FWD_CONFIGS
     for cfg_name, cfg in configs.items():
-        impls[f"ours_triton[{cfg_name}]"] = (jax.jit(functools.partial(
-            flash_attention, causal=causal, backend="triton", block_sizes=cfg)), None)
+        impls[f"ours_triton[{cfg_name}]"] = (
+            jax.jit(functools.partial(flash_attention, causal=causal, backend="triton", block_sizes=cfg)),
+            None,
+        )
     if not mgpu:
         quick = True
     else:
-        impls["ours_mosaic_gpu[default]"] = (jax.jit(functools.partial(flash_attention, causal=causal,
-                                                                       backend="mosaic_gpu")), None)
-    st = KernelStatic(causal=causal, sm_scale=1 / math.sqrt(shape.head_dim), sliding_window=None,
-                    logits_soft_cap=None, q_len=shape.q_len, kv_len=shape.kv_len, has_segments=False,
-                    blocks=BlockSizes(), interpret=False, static_q_offset=0)
+        impls["ours_mosaic_gpu[default]"] = (
+            jax.jit(functools.partial(flash_attention, causal=causal, backend="mosaic_gpu")),
+            None,
+        )
+    st = KernelStatic(
+        causal=causal,
+        sm_scale=1 / math.sqrt(shape.head_dim),
+        sliding_window=None,
+        logits_soft_cap=None,
+        q_len=shape.q_len,
+        kv_len=shape.kv_len,
+        has_segments=False,
+        blocks=BlockSizes(),
+        interpret=False,
+        static_q_offset=0,
+    )
     for cfg_name, cfg in ({} if quick else MGPU_CONFIGS).items():  # the kernel alone, on unpadded inputs
-        impls[f"ours_mosaic_gpu[{cfg_name}]"] = (jax.jit(
-            lambda q, k, v, cfg=cfg: mgpu_forward(q, k, v, st, cfg)[0]), None)
-    impls["cudnn"] = (jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                                implementation="cudnn")), None)
+        impls[f"ours_mosaic_gpu[{cfg_name}]"] = (
+            jax.jit(lambda q, k, v, cfg=cfg: mgpu_forward(q, k, v, st, cfg)[0]),
+            None,
+        )
+    impls["cudnn"] = (
+        jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")),
+        None,
+    )
     from jax.experimental.pallas.ops.gpu import attention as jax_attention  # noqa: PLC0415 (deprecated module)
     from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: PLC0415
 
-    impls["jax_example_mha_triton"] = (jax.jit(functools.partial(
-        jax_attention.mha, segment_ids=None, sm_scale=1 / math.sqrt(shape.head_dim), causal=causal)), None)
+    impls["jax_example_mha_triton"] = (
+        jax.jit(
+            functools.partial(
+                jax_attention.mha, segment_ids=None, sm_scale=1 / math.sqrt(shape.head_dim), causal=causal
+            )
+        ),
+        None,
+    )
     mgpu_cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
     # The example's SMEM scratch is declared float16, so it is fed fp16 copies of the inputs; it also applies
     # no softmax scale, so its error against cuDNN is large by construction (it is here for speed only).
-    impls["jax_example_attention_mgpu(fp16)"] = (jax.jit(functools.partial(
-        attention_mgpu.attention, config=mgpu_cfg)), jnp.float16)
+    impls["jax_example_attention_mgpu(fp16)"] = (
+        jax.jit(functools.partial(attention_mgpu.attention, config=mgpu_cfg)),
+        jnp.float16,
+    )
     return impls
 
 
@@ -111,34 +138,53 @@ def backward_impls(shape: shapes.AttentionShape, quick: bool):
     """name -> (differentiable fn(q, k, v), input dtype override or None); each is timed on vjp(do) alone."""
     causal = shape.causal
     impls = {}
-    impls["cudnn"] = (functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn"),
-                      None)
+    impls["cudnn"] = (functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn"), None)
     # Mosaic GPU forward + the fused Mosaic GPU backward (flash_attention_mgpu_bwd.py).
-    impls["ours_mosaic_gpu[default]"] = (functools.partial(flash_attention, causal=causal, backend="mosaic_gpu"),
-                                         None)
+    impls["ours_mosaic_gpu[default]"] = (functools.partial(flash_attention, causal=causal, backend="mosaic_gpu"), None)
     for cfg_name, cfg in MGPU_BWD_CONFIGS.items():
         impls[f"ours_mosaic_gpu[{cfg_name}]"] = (_mgpu_kernel_vjp(shape, cfg), None)
     configs = {"dq64x64_dkv64x64_w4s2": BWD_CONFIGS["dq64x64_dkv64x64_w4s2"]} if quick else BWD_CONFIGS
     for cfg_name, cfg in configs.items():
-        impls[f"ours_triton[{cfg_name}]"] = (functools.partial(flash_attention, causal=causal, backend="triton",
-                                                               block_sizes=cfg), None)
+        impls[f"ours_triton[{cfg_name}]"] = (
+            functools.partial(flash_attention, causal=causal, backend="triton", block_sizes=cfg),
+            None,
+        )
     if not causal:  # the example's backward raises NotImplementedError for causal
         from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: PLC0415
 
         for wgs in (1, 2):
-            cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=False,
-                                              compute_wgs_bwd=wgs, block_q_dkv=64, block_kv_dkv=64,
-                                              block_q_dq=64, block_kv_dq=64)
+            cfg = attention_mgpu.TuningConfig(
+                block_q=64,
+                block_kv=128,
+                max_concurrent_steps=2,
+                causal=False,
+                compute_wgs_bwd=wgs,
+                block_q_dkv=64,
+                block_kv_dkv=64,
+                block_q_dq=64,
+                block_kv_dq=64,
+            )
             impls[f"jax_example_attention_mgpu(fp16)[bwd_wgs{wgs}]"] = (
-                functools.partial(attention_mgpu.attention, config=cfg), jnp.float16)
+                functools.partial(attention_mgpu.attention, config=cfg),
+                jnp.float16,
+            )
     return impls
 
 
 def _mgpu_kernel_vjp(shape: shapes.AttentionShape, cfg):
     """Mosaic GPU forward + backward kernels called directly (unpadded bench shapes), with a bwd config."""
-    st = KernelStatic(causal=shape.causal, sm_scale=1 / math.sqrt(shape.head_dim), sliding_window=None,
-                      logits_soft_cap=None, q_len=shape.q_len, kv_len=shape.kv_len, has_segments=False,
-                      blocks=BlockSizes(), interpret=False, static_q_offset=0)
+    st = KernelStatic(
+        causal=shape.causal,
+        sm_scale=1 / math.sqrt(shape.head_dim),
+        sliding_window=None,
+        logits_soft_cap=None,
+        q_len=shape.q_len,
+        kv_len=shape.kv_len,
+        has_segments=False,
+        blocks=BlockSizes(),
+        interpret=False,
+        static_q_offset=0,
+    )
 
     @jax.custom_vjp
     def attn(q, k, v):
@@ -167,8 +213,11 @@ def run_shape(shape, rows, quick: bool, with_backward: bool, mgpu: bool):
             if name == "cudnn":
                 ref = out
             seconds = time_fn(fn, *args)
-            row.update(ms=seconds * 1e3, tflops=shape.forward_flops() / seconds / 1e12,
-                       rel_err_vs_cudnn=None if ref is None else _rel_err(out, ref))
+            row.update(
+                ms=seconds * 1e3,
+                tflops=shape.forward_flops() / seconds / 1e12,
+                rel_err_vs_cudnn=None if ref is None else _rel_err(out, ref),
+            )
         except Exception as err:  # noqa: BLE001 - a failing contender is recorded, not fatal
             row.update(error=f"{type(err).__name__}: {str(err)[:300]}")
         rows.append(row)
@@ -207,8 +256,11 @@ def print_row(row):
         return
     err = row.get("rel_err_vs_cudnn")
     err_s = "" if err is None else f"  err_vs_cudnn={err:.2e}"
-    print(f"{row['shape']:<28} {row['pass_']:<4} {row['impl']:<36} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
-          f"{err_s}", flush=True)
+    print(
+        f"{row['shape']:<28} {row['pass_']:<4} {row['impl']:<36} {row['ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+        f"{err_s}",
+        flush=True,
+    )
 
 
 def main():
@@ -239,10 +291,13 @@ def main():
             cudnn = [r for r in ok if r["impl"] == "cudnn"]
             if ours and cudnn:
                 best = max(ours, key=lambda r: r["tflops"])
-                print(f"{shape.name:<28} {pass_}: ours {best['tflops']:6.1f} ({best['impl']}) "
-                      f"cudnn {cudnn[0]['tflops']:6.1f}  ratio {best['tflops'] / cudnn[0]['tflops']:.2f}")
-    result = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, rows=rows)
+                print(
+                    f"{shape.name:<28} {pass_}: ours {best['tflops']:6.1f} ({best['impl']}) "
+                    f"cudnn {cudnn[0]['tflops']:6.1f}  ratio {best['tflops'] / cudnn[0]['tflops']:.2f}"
+                )
+    result = dict(
+        date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind), jax=jax.__version__, rows=rows
+    )
     path = os.path.join(os.environ.get("OUT", "."), args.json)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import median_seconds
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import ragged_paged_attention as rpa
-from benchmarks.timing import median_seconds
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 BACKEND = "triton"  # --smoke switches to "interpret" with tiny shapes, to check this script on a CPU
@@ -35,21 +35,34 @@ TIMING = dict(iters=20, reps=7)
 DECODE_SHAPES = [dict(batch=64, ctx=4096), dict(batch=8, ctx=8192)]
 DECODE_CONFIGS = {
     64: [pa.PagedAttentionConfig()]
-    + [pa.PagedAttentionConfig(block_tokens=bt, num_splits=s, num_warps=w, num_stages=st)
-       for bt, s, w, st in [(64, 1, 4, 4), (64, 2, 4, 4), (32, 1, 4, 4), (64, 1, 4, 5), (128, 2, 4, 3)]],
+    + [
+        pa.PagedAttentionConfig(block_tokens=bt, num_splits=s, num_warps=w, num_stages=st)
+        for bt, s, w, st in [(64, 1, 4, 4), (64, 2, 4, 4), (32, 1, 4, 4), (64, 1, 4, 5), (128, 2, 4, 3)]
+    ],
     8: [pa.PagedAttentionConfig()]
-    + [pa.PagedAttentionConfig(block_tokens=bt, num_splits=s, num_warps=w, num_stages=st)
-       for bt, s, w, st in [(64, 8, 4, 4), (64, 32, 4, 4), (32, 16, 4, 4)]],
+    + [
+        pa.PagedAttentionConfig(block_tokens=bt, num_splits=s, num_warps=w, num_stages=st)
+        for bt, s, w, st in [(64, 8, 4, 4), (64, 32, 4, 4), (32, 16, 4, 4)]
+    ],
 }
 # Round 3's runners-up, then two untimed candidates from the Nsight Compute profile of the default (255 registers
 # per thread and 98 KB SMEM per 4-warp program -> 2 programs per SM; ncu_ragged_mixed_2026-12-01.txt): 8 warps on
 # 128-row tiles (half the registers per thread) and 64-row tiles (less SMEM per program).
 RAGGED_CONFIGS = [rpa.RaggedConfig()] + [
-    rpa.RaggedConfig(block_q_rows=m, small_q_rows=16, block_tokens=bt, small_block_tokens=sbt, num_warps=w,
-                     num_stages=st, schedule=sched)
+    rpa.RaggedConfig(
+        block_q_rows=m,
+        small_q_rows=16,
+        block_tokens=bt,
+        small_block_tokens=sbt,
+        num_warps=w,
+        num_stages=st,
+        schedule=sched,
+    )
     for m, bt, sbt, w, st, sched in [
-        (128, 64, None, 4, 3, "prefill_first"), (128, 64, 128, 4, 2, "prefill_first"),
-        (128, 64, None, 8, 2, "prefill_first"), (64, 64, None, 4, 3, "prefill_first"),
+        (128, 64, None, 4, 3, "prefill_first"),
+        (128, 64, 128, 4, 2, "prefill_first"),
+        (128, 64, None, 8, 2, "prefill_first"),
+        (64, 64, None, 4, 3, "prefill_first"),
     ]
 ]
 RAGGED_CONFIGS = list(dict.fromkeys(RAGGED_CONFIGS))  # the default may repeat a sweep entry
@@ -111,7 +124,7 @@ def bench_jax_example(args, ref, nbytes):
         warnings.simplefilter("ignore")
         from jax.experimental.pallas.ops.gpu import paged_attention as jpa
     q, *rest = args
-    args = (q * (1.0 / D ** 0.5), *rest)  # the example applies no softmax scale; fold ours into q
+    args = (q * (1.0 / D**0.5), *rest)  # the example applies no softmax scale; fold ours into q
     rows = []
     for k_splits, ppcb in [(16, 8), (4, 8)]:
         fn = jax.jit(lambda *a, s=k_splits, p=ppcb: jpa.paged_attention(*a, k_splits=s, pages_per_compute_block=p))
@@ -143,8 +156,15 @@ def bench_ragged(chunks=4, chunk_len=512, decodes=60, ctx=2048):
     nbytes = int(kv_lens.shape[0]) * ctx * HKV * D * 2 * 2  # each sequence's KV read once at best
     print(f"ragged: {chunks}x{chunk_len} prefill + {int(num_seqs) - chunks} decode rows, ctx {ctx}", flush=True)
     ref = jax.jit(rpa.reference)(*args)
-    pre_args = (q[:n_pre], k_pages, v_pages, block_tables[:chunks], kv_lens[:chunks], cu[: chunks + 1],
-                jnp.int32(chunks))
+    pre_args = (
+        q[:n_pre],
+        k_pages,
+        v_pages,
+        block_tables[:chunks],
+        kv_lens[:chunks],
+        cu[: chunks + 1],
+        jnp.int32(chunks),
+    )
     dec_args = (q[n_pre:n_live], k_pages, v_pages, block_tables[chunks:], kv_lens[chunks:])
     ragged = lambda c: jax.jit(lambda *a: rpa.ragged_paged_attention(*a, backend=BACKEND, config=c))  # noqa: E731
     rows, best, best_pre, timed_pre = [], None, None, set()
@@ -166,19 +186,43 @@ def bench_ragged(chunks=4, chunk_len=512, decodes=60, ctx=2048):
             rows.append(dict(name=f"ragged one launch {config}", error=f"{type(e).__name__}: {str(e)[:300]}"))
     pre_cfg = best_pre[1] if best_pre else rpa.RaggedConfig()
     dec = jax.jit(lambda *a: pa.paged_attention(*a, backend=BACKEND))
-    both = jax.jit(lambda p, d: (rpa.ragged_paged_attention(*p, backend=BACKEND, config=pre_cfg),
-                                 pa.paged_attention(*d, backend=BACKEND)))
+    both = jax.jit(
+        lambda p, d: (
+            rpa.ragged_paged_attention(*p, backend=BACKEND, config=pre_cfg),
+            pa.paged_attention(*d, backend=BACKEND),
+        )
+    )
     rows.append(record("separate: decode rows only (paged_attention)", median_time(dec, *dec_args), nbytes))
-    rows.append(record(f"separate: both in one jit, chunks with {pre_cfg}", median_time(both, pre_args, dec_args),
-                       nbytes))
+    rows.append(
+        record(f"separate: both in one jit, chunks with {pre_cfg}", median_time(both, pre_args, dec_args), nbytes)
+    )
     if best:  # where the one launch spends its time: its decode rows alone, through the same kernel
         dec_cu = cu[chunks:] - cu[chunks]
-        dec_only = (q[n_pre:n_live], k_pages, v_pages, block_tables[chunks:], kv_lens[chunks:], dec_cu,
-                    jnp.int32(int(num_seqs) - chunks))
-        rows.append(record(f"diagnostic: decode rows only through ragged {best[1]}",
-                           median_time(ragged(best[1]), *dec_only), nbytes))
-    return dict(chunks=chunks, chunk_len=chunk_len, decodes=int(num_seqs) - chunks, ctx=ctx, rows=rows,
-                best_one_launch=str(best[1]) if best else None, best_prefill_only=str(pre_cfg))
+        dec_only = (
+            q[n_pre:n_live],
+            k_pages,
+            v_pages,
+            block_tables[chunks:],
+            kv_lens[chunks:],
+            dec_cu,
+            jnp.int32(int(num_seqs) - chunks),
+        )
+        rows.append(
+            record(
+                f"diagnostic: decode rows only through ragged {best[1]}",
+                median_time(ragged(best[1]), *dec_only),
+                nbytes,
+            )
+        )
+    return dict(
+        chunks=chunks,
+        chunk_len=chunk_len,
+        decodes=int(num_seqs) - chunks,
+        ctx=ctx,
+        rows=rows,
+        best_one_launch=str(best[1]) if best else None,
+        best_prefill_only=str(pre_cfg),
+    )
 
 
 def main():
@@ -196,8 +240,13 @@ def main():
         DECODE_CONFIGS[64], DECODE_CONFIGS[8] = DECODE_CONFIGS[64][:2], DECODE_CONFIGS[8][:2]
         RAGGED_CONFIGS = [c for c in RAGGED_CONFIGS if c.block_q_rows <= 128][:3]
         ragged_shape = dict(chunks=2, chunk_len=32, decodes=3, ctx=128)
-    result = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
-                  jax=jax.__version__, decode=[], ragged=None)
+    result = dict(
+        date=datetime.date.today().isoformat(),
+        device=str(jax.devices()[0].device_kind),
+        jax=jax.__version__,
+        decode=[],
+        ragged=None,
+    )
     if not flags.skip_decode:
         result["decode"] = [bench_decode(**shape) for shape in DECODE_SHAPES]
     if not flags.skip_ragged:

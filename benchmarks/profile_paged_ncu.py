@@ -26,10 +26,20 @@ def main():
     decodes = int(num_seqs) - chunks
     ragged = jax.jit(lambda *a: rpa.ragged_paged_attention(*a, backend="triton"))
     decode = jax.jit(lambda *a: pa.paged_attention(*a, backend="triton"))
-    dec_only = (q[n_pre:n_live], k_pages, v_pages, block_tables[chunks:], kv_lens[chunks:],
-                cu[chunks:] - cu[chunks], jnp.int32(decodes))
-    for name, fn, a in (("ragged mixed", ragged, args), ("ragged decode rows only", ragged, dec_only),
-                        ("paged_attention decode rows", decode, dec_only[:5])):
+    dec_only = (
+        q[n_pre:n_live],
+        k_pages,
+        v_pages,
+        block_tables[chunks:],
+        kv_lens[chunks:],
+        cu[chunks:] - cu[chunks],
+        jnp.int32(decodes),
+    )
+    for name, fn, a in (
+        ("ragged mixed", ragged, args),
+        ("ragged decode rows only", ragged, dec_only),
+        ("paged_attention decode rows", decode, dec_only[:5]),
+    ):
         jax.block_until_ready(fn(*a))
         print(f"launched: {name}", flush=True)
 

@@ -22,8 +22,8 @@ import numpy as np
 from checkpoints.tokenizer import NullTokenizer
 from model.config import ModelConfig
 from model.transformer import random_model
-from serving.engine import LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import SamplingParams
+from serving.engine.engine import LLMEngine
 
 
 def main():
@@ -47,10 +47,18 @@ def main():
     jax.block_until_ready(model.embed.weight[...])
     init_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    engine = LLMEngine(model, NullTokenizer(), max_model_len=a.input_len + a.output_len + a.block_size,
-                       max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                       block_size=a.block_size, kv_cache_memory_fraction=a.memory_fraction,
-                       decode_steps=a.decode_steps, enable_prefix_caching=False, warmup=False)
+    engine = LLMEngine(
+        model,
+        NullTokenizer(),
+        max_model_len=a.input_len + a.output_len + a.block_size,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        block_size=a.block_size,
+        kv_cache_memory_fraction=a.memory_fraction,
+        decode_steps=a.decode_steps,
+        enable_prefix_caching=False,
+        warmup=False,
+    )
     engine_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.warmup()  # every step bucket, the decode loop and the sampler, timed apart from the run
@@ -58,8 +66,10 @@ def main():
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
-    rids = [engine.add_request(rng.integers(100, cfg.vocab_size, a.input_len).tolist(), params)
-            for _ in range(a.num_requests)]
+    rids = [
+        engine.add_request(rng.integers(100, cfg.vocab_size, a.input_len).tolist(), params)
+        for _ in range(a.num_requests)
+    ]
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     out_tokens = 0
@@ -81,17 +91,31 @@ def main():
     wall = time.perf_counter() - start
     ttft = np.array([first[r] - start for r in rids if r in first])
     res = {
-        "device": str(jax.devices()[0].device_kind), "preset": a.preset, "num_requests": a.num_requests,
-        "input_len": a.input_len, "output_len": a.output_len, "max_num_seqs": a.max_num_seqs,
-        "max_num_batched_tokens": a.max_num_batched_tokens, "decode_steps": a.decode_steps,
-        "finished": len(done), "wall_s": wall, "compile_s_during_run": compile_s, "executables": engine.runner.num_compiles,
-        "steps": steps, "decode_loops": engine.num_decode_loops, "num_kv_blocks": engine.runner.num_blocks,
-        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
+        "device": str(jax.devices()[0].device_kind),
+        "preset": a.preset,
+        "num_requests": a.num_requests,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "max_num_seqs": a.max_num_seqs,
+        "max_num_batched_tokens": a.max_num_batched_tokens,
+        "decode_steps": a.decode_steps,
+        "finished": len(done),
+        "wall_s": wall,
+        "compile_s_during_run": compile_s,
+        "executables": engine.runner.num_compiles,
+        "steps": steps,
+        "decode_loops": engine.num_decode_loops,
+        "num_kv_blocks": engine.runner.num_blocks,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall,
         "output_tokens_per_s_excl_compile": out_tokens / max(wall - compile_s, 1e-9),
         "total_tokens_per_s_excl_compile": (out_tokens + len(first) * a.input_len) / max(wall - compile_s, 1e-9),
         "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
         "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
-        "model_init_s": init_s, "engine_init_s": engine_s, "warmup_s": warmup_s, "preemptions": engine.scheduler.num_preemptions,
+        "model_init_s": init_s,
+        "engine_init_s": engine_s,
+        "warmup_s": warmup_s,
+        "preemptions": engine.scheduler.num_preemptions,
     }
     print(json.dumps(res, indent=1), flush=True)
     with open(a.out, "w") as f:

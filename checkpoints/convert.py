@@ -22,8 +22,12 @@ from checkpoints.loader import load_checkpoint
 
 _SRC = flags.DEFINE_string("src", None, "a .gguf file, an HF safetensors directory, an Orbax checkpoint or 'default'")
 _DST = flags.DEFINE_string("dst", None, "output directory for the Orbax checkpoint")
-_DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
-                           "parameter dtype to store; auto keeps the loaded one (float32 for GGUF, stored for HF)")
+_DTYPE = flags.DEFINE_enum(
+    "dtype",
+    "auto",
+    ["auto", "float32", "bfloat16"],
+    "parameter dtype to store; auto keeps the loaded one (float32 for GGUF, stored for HF)",
+)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace an existing Orbax checkpoint at --dst")
 
 
@@ -79,8 +83,10 @@ def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False) ->
     sys.stderr.write(f"saving {len(params)} tensors ({size_gb:.2f} GB) of {config.name} to {dst} ...\n")
     start = time.perf_counter()
     orbax_io.save(dst, config, params, tokenizer, overwrite=overwrite)
-    sys.stderr.write(f"saved in {time.perf_counter() - start:.1f} s"
-                     f"{'' if tokenizer is not None else ' (no tokenizer found in the source)'}\n")
+    sys.stderr.write(
+        f"saved in {time.perf_counter() - start:.1f} s"
+        f"{'' if tokenizer is not None else ' (no tokenizer found in the source)'}\n"
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,18 +23,18 @@ from model.config import ModelConfig, RopeScaling
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 _LAYER_NAMES = {
-        "attn_norm.weight": "attn_norm",
-        "attn_q.weight": "wq",
-        "attn_k.weight": "wk",
-        "attn_v.weight": "wv",
-        "attn_output.weight": "wo",
-        "ffn_norm.weight": "mlp_norm",
-        "ffn_gate.weight": "w_gate",
-        "ffn_up.weight": "w_up",
-        "ffn_down.weight": "w_down",
-        "attn_q.bias": "bq",
-        "attn_k.bias": "bk",
-        "attn_v.bias": "bv",
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "wq",
+    "attn_k.weight": "wk",
+    "attn_v.weight": "wv",
+    "attn_output.weight": "wo",
+    "ffn_norm.weight": "mlp_norm",
+    "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+    "attn_q.bias": "bq",
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 
@@ -77,26 +78,27 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def read_metadata(reader) -> GGUFMetadata:
     arch = _field(reader, "general.architecture", "")
     return GGUFMetadata(
-            architecture=arch,
-            name=_field(reader, "general.name", "gguf"),
-            tokens=list(_field(reader, "tokenizer.ggml.tokens", [])),
-            token_types=list(_field(reader, "tokenizer.ggml.token_type", [])),
-            merges=list(_field(reader, "tokenizer.ggml.merges", [])),
-            tokenizer_model=_field(reader, "tokenizer.ggml.model", ""),
-            pre_tokenizer=_field(reader, "tokenizer.ggml.pre", "default"),
-            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-            add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-            chat_template=_field(reader, "tokenizer.chat_template"),
-            file_type=_field(reader, "general.file_type"),
+        architecture=arch,
+        name=_field(reader, "general.name", "gguf"),
+        tokens=list(_field(reader, "tokenizer.ggml.tokens", [])),
+        token_types=list(_field(reader, "tokenizer.ggml.token_type", [])),
+        merges=list(_field(reader, "tokenizer.ggml.merges", [])),
+        tokenizer_model=_field(reader, "tokenizer.ggml.model", ""),
+        pre_tokenizer=_field(reader, "tokenizer.ggml.pre", "default"),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        file_type=_field(reader, "general.file_type"),
     )
 
 
 def config_from_metadata(reader, meta: GGUFMetadata, eos_token_ids: tuple[int, ...]) -> ModelConfig:
     """Builds a ModelConfig from `llama.*` keys."""
     if meta.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {meta.architecture!r}; supported: "
-                                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {meta.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     a = meta.architecture
     required = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
     missing = [f"{a}.{k}" for k in required if _field(reader, f"{a}.{k}") is None]
@@ -107,28 +109,29 @@ def config_from_metadata(reader, meta: GGUFMetadata, eos_token_ids: tuple[int, .
     scaling = None
     if _field(reader, f"{a}.rope.scaling.type") == "llama3" or _field(reader, f"{a}.rope.scaling.factor"):
         scaling = RopeScaling(
-                factor=float(_field(reader, f"{a}.rope.scaling.factor", 8.0)),
-                original_max_position_embeddings=int(_field(reader, f"{a}.rope.scaling.original_context_length", 8192)))
+            factor=float(_field(reader, f"{a}.rope.scaling.factor", 8.0)),
+            original_max_position_embeddings=int(_field(reader, f"{a}.rope.scaling.original_context_length", 8192)),
+        )
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = _field(reader, f"{a}.vocab_size") or len(meta.tokens) or (int(embed.shape[-1]) if embed else 0)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return ModelConfig(
-            name=str(meta.name),
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-            num_layers=int(_field(reader, f"{a}.block_count")),
-            num_heads=heads,
-            num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(_field(reader, f"{a}.rope.dimension_count", hidden // heads)),
-            rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
-            tie_word_embeddings=tied,
-            attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
-            bos_token_id=meta.bos_token_id,
-            eos_token_ids=eos_token_ids,
+        name=str(meta.name),
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{a}.rope.dimension_count", hidden // heads)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
+        tie_word_embeddings=tied,
+        attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        bos_token_id=meta.bos_token_id,
+        eos_token_ids=eos_token_ids,
     )
 
 
@@ -166,8 +169,9 @@ def _dequantize(tensor) -> np.ndarray:
     return np.asarray(data, dtype=np.float32)
 
 
-def load_params(reader, config: ModelConfig,
-                                progress: Callable[[int, int, str], None] | None = None) -> dict[str, np.ndarray]:
+def load_params(
+    reader, config: ModelConfig, progress: Callable[[int, int, str], None] | None = None
+) -> dict[str, np.ndarray]:
     """Dequantises every tensor into the canonical flat dict (float32, [in, out] linears)."""
     params: dict[str, np.ndarray] = {}
     tensors = list(reader.tensors)
@@ -194,8 +198,11 @@ def check_params(params: dict[str, np.ndarray], config: ModelConfig) -> None:
     """Raises ValueError naming every missing or mis-shaped canonical tensor."""
     expected = expected_shapes(config)
     problems = [f"missing {k}" for k in expected if k not in params]
-    problems += [f"{k}: shape {params[k].shape}, expected {s}" for k, s in expected.items()
-                              if k in params and tuple(params[k].shape) != s]
+    problems += [
+        f"{k}: shape {params[k].shape}, expected {s}"
+        for k, s in expected.items()
+        if k in params and tuple(params[k].shape) != s
+    ]
     if problems:
         raise ValueError("checkpoint does not match its config: " + "; ".join(problems[:8]))
 
@@ -208,9 +215,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head"] = (d, v)
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        shapes.update({p + "attn_norm": (d,), p + "wq": (d, config.q_size), p + "wk": (d, config.kv_size),
-                                      p + "wv": (d, config.kv_size), p + "wo": (config.q_size, d), p + "mlp_norm": (d,),
-                                      p + "w_gate": (d, f), p + "w_up": (d, f), p + "w_down": (f, d)})
+        shapes.update(
+            {
+                p + "attn_norm": (d,),
+                p + "wq": (d, config.q_size),
+                p + "wk": (d, config.kv_size),
+                p + "wv": (d, config.kv_size),
+                p + "wo": (config.q_size, d),
+                p + "mlp_norm": (d,),
+                p + "w_gate": (d, f),
+                p + "w_up": (d, f),
+                p + "w_down": (f, d),
+            }
+        )
         if config.attention_bias:
             shapes.update({p + "bq": (config.q_size,), p + "bk": (config.kv_size,), p + "bv": (config.kv_size,)})
     return shapes
@@ -231,8 +248,9 @@ def eos_ids_from_vocab(meta: GGUFMetadata) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_gguf(path: str, progress: Callable[[int, int, str], None] | None = None
-                            ) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFMetadata]:
+def load_gguf(
+    path: str, progress: Callable[[int, int, str], None] | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFMetadata]:
     """Loads a GGUF file.
 
     Args:

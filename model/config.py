@@ -62,8 +62,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                                    "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(self, field)}")
         if self.num_heads % self.num_kv_heads:
@@ -84,14 +92,14 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         data: dict[str, Any] = json.loads(text)
         if data.get("rope_scaling") is not None:
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
@@ -101,35 +109,77 @@ class ModelConfig:
     # Presets -----------------------------------------------------------------------------------------------------
 
     @classmethod
-    def smollm2_135m(cls) -> "ModelConfig":
-        return cls(name="smollm2_135m", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                              num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
-                              max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
+    def smollm2_135m(cls) -> ModelConfig:
+        return cls(
+            name="smollm2_135m",
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_layers=30,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_ids=(2,),
+        )
 
     @classmethod
-    def llama3_8b(cls) -> "ModelConfig":
-        return cls(name="llama3_8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                              num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                              rope_scaling=RopeScaling(), rms_norm_eps=1e-5, max_position_embeddings=131072,
-                              bos_token_id=128000, eos_token_ids=(128001, 128009))
+    def llama3_8b(cls) -> ModelConfig:
+        return cls(
+            name="llama3_8b",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=500000.0,
+            rope_scaling=RopeScaling(),
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+            bos_token_id=128000,
+            eos_token_ids=(128001, 128009),
+        )
 
     @classmethod
-    def llama3_70b(cls) -> "ModelConfig":
-        return cls.llama3_8b().replace(name="llama3_70b", hidden_size=8192, intermediate_size=28672, num_layers=80,
-                                                                      num_heads=64)
+    def llama3_70b(cls) -> ModelConfig:
+        return cls.llama3_8b().replace(
+            name="llama3_70b", hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64
+        )
 
     @classmethod
-    def tiny(cls, **changes) -> "ModelConfig":
+    def tiny(cls, **changes) -> ModelConfig:
         """A few-layer model for tests: GQA 4/2, odd sizes so shape bugs show."""
-        base = cls(name="tiny", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
-                              tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+        base = cls(
+            name="tiny",
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rope_theta=10000.0,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_ids=(2,),
+        )
         return base.replace(**changes)
 
     @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
-        presets = {"smollm2_135m": cls.smollm2_135m, "llama3_8b": cls.llama3_8b, "llama3_70b": cls.llama3_70b,
-                              "tiny": cls.tiny}
+    def preset(cls, name: str) -> ModelConfig:
+        presets = {
+            "smollm2_135m": cls.smollm2_135m,
+            "llama3_8b": cls.llama3_8b,
+            "llama3_70b": cls.llama3_70b,
+            "tiny": cls.tiny,
+        }
         if name not in presets:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(presets)}")
         return presets[name]()

@@ -20,18 +20,27 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def masked_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array,
-                     sm_scale: float | None = None) -> jax.Array:
+def masked_attention(
+    q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array, sm_scale: float | None = None
+) -> jax.Array:
     """Plain GQA attention with an explicit boolean mask (True = may attend); float32 softmax.
 
     Rows whose mask is all False return zeros.
     """
     b, t, hq, hd = q_bthd.shape
     hkv = k_bshd.shape[2]
-    scale = hd ** -0.5 if sm_scale is None else sm_scale
+    scale = hd**-0.5 if sm_scale is None else sm_scale
     q = q_bthd.reshape(b, t, hkv, hq // hkv, hd)
-    s = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd.astype(q.dtype), preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST) * scale
+    s = (
+        jnp.einsum(
+            "btkgd,bskd->bkgts",
+            q,
+            k_bshd.astype(q.dtype),
+            preferred_element_type=jnp.float32,
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        * scale
+    )
     s = jnp.where(mask_bts[:, None, None], s, NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(mask_bts[:, None, None], jnp.exp(s - m), 0.0)
@@ -76,8 +85,9 @@ class ContiguousMeta:
         return masked_attention(q, k_cache, v_cache, mask), (k_cache, v_cache)
 
 
-def init_contiguous_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                          dtype) -> list[tuple[jax.Array, jax.Array]]:
+def init_contiguous_cache(
+    num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype
+) -> list[tuple[jax.Array, jax.Array]]:
     """Zeroed contiguous caches, one (k, v) pair per layer, each [B, S_max, Hkv, hd]."""
     shape = (batch, max_len, num_kv_heads, head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
@@ -112,8 +122,16 @@ class PagedMeta:
         if self.decode_only:
             out = paged_attention(q[0], k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend)
         else:
-            out = ragged_paged_attention(q[0], k_pages, v_pages, self.block_tables, self.kv_lens, self.cu_q_lens,
-                                         self.num_seqs, backend=self.backend)
+            out = ragged_paged_attention(
+                q[0],
+                k_pages,
+                v_pages,
+                self.block_tables,
+                self.kv_lens,
+                self.cu_q_lens,
+                self.num_seqs,
+                backend=self.backend,
+            )
         return out[None], (k_pages, v_pages)
 
 
@@ -125,7 +143,8 @@ def write_pages(pages: jax.Array, new_thd: jax.Array, slots_t: jax.Array) -> jax
     return flat.reshape(h, p, ps, hd)
 
 
-def init_paged_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                     dtype) -> list[tuple[jax.Array, jax.Array]]:
+def init_paged_cache(
+    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype
+) -> list[tuple[jax.Array, jax.Array]]:
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]

@@ -52,8 +52,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> j
     wavelen = 2 * math.pi / inv
     smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     interpolated = (1 - smooth) * inv / scaling.factor + smooth * inv
-    return jnp.where(wavelen > low_wavelen, inv / scaling.factor,
-                     jnp.where(wavelen < high_wavelen, inv, interpolated))
+    return jnp.where(wavelen > low_wavelen, inv / scaling.factor, jnp.where(wavelen < high_wavelen, inv, interpolated))
 
 
 def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -72,9 +71,9 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.w_gate = _param((d, f), dtype, rngs, d ** -0.5)
-        self.w_up = _param((d, f), dtype, rngs, d ** -0.5)
-        self.w_down = _param((f, d), dtype, rngs, f ** -0.5)
+        self.w_gate = _param((d, f), dtype, rngs, d**-0.5)
+        self.w_up = _param((d, f), dtype, rngs, d**-0.5)
+        self.w_down = _param((f, d), dtype, rngs, f**-0.5)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = jax.nn.silu(dense(x, self.w_gate[...])) * dense(x, self.w_up[...])

@@ -10,7 +10,7 @@ from their softmax.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,18 +35,30 @@ class SamplingTensors:
     step: jax.Array  # int32, tokens generated so far by the row's request
 
     @classmethod
-    def from_rows(cls, rows: Sequence[dict]) -> "SamplingTensors":
+    def from_rows(cls, rows: Sequence[dict]) -> SamplingTensors:
         """Host-side constructor from dicts with the field names (missing fields take neutral values)."""
-        defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                        presence_penalty=0.0, frequency_penalty=0.0, seed=0, step=0)
+        defaults = dict(
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            seed=0,
+            step=0,
+        )
         dtypes = dict(top_k=np.int32, seed=np.uint32, step=np.int32)
-        cols = {k: np.array([r.get(k, d) if r.get(k) is not None else d for r in rows],
-                            dtype=dtypes.get(k, np.float32)) for k, d in defaults.items()}
+        cols = {
+            k: np.array([r.get(k, d) if r.get(k) is not None else d for r in rows], dtype=dtypes.get(k, np.float32))
+            for k, d in defaults.items()
+        }
         return cls(**cols)
 
 
-def apply_penalties(logits_bv: jax.Array, st: SamplingTensors, output_ids_bl: jax.Array | None,
-                    prompt_ids_bl: jax.Array | None) -> jax.Array:
+def apply_penalties(
+    logits_bv: jax.Array, st: SamplingTensors, output_ids_bl: jax.Array | None, prompt_ids_bl: jax.Array | None
+) -> jax.Array:
     """OpenAI presence/frequency penalties on generated tokens; HF/vLLM repetition penalty on prompt + output.
 
     Token id arrays are padded with -1.
@@ -57,8 +69,11 @@ def apply_penalties(logits_bv: jax.Array, st: SamplingTensors, output_ids_bl: ja
         if ids is None:
             return jnp.zeros((b, v), jnp.float32)
         valid = ids >= 0
-        return jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], jnp.where(valid, ids, 0)].add(
-            valid.astype(jnp.float32))
+        return (
+            jnp.zeros((b, v), jnp.float32)
+            .at[jnp.arange(b)[:, None], jnp.where(valid, ids, 0)]
+            .add(valid.astype(jnp.float32))
+        )
 
     out_counts = counts(output_ids_bl)
     seen = (out_counts + counts(prompt_ids_bl)) > 0
@@ -92,9 +107,15 @@ def filter_logits(logits_bv: jax.Array, st: SamplingTensors) -> jax.Array:
     return jnp.where(logits >= threshold, logits, NEG_INF)
 
 
-def sample(logits_bv: jax.Array, st: SamplingTensors, output_ids_bl: jax.Array | None = None,
-           prompt_ids_bl: jax.Array | None = None, banned_ids_bn: jax.Array | None = None, *,
-           num_logprobs: int = 0):
+def sample(
+    logits_bv: jax.Array,
+    st: SamplingTensors,
+    output_ids_bl: jax.Array | None = None,
+    prompt_ids_bl: jax.Array | None = None,
+    banned_ids_bn: jax.Array | None = None,
+    *,
+    num_logprobs: int = 0,
+):
     """Samples one token per row.
 
     Args:
@@ -114,8 +135,11 @@ def sample(logits_bv: jax.Array, st: SamplingTensors, output_ids_bl: jax.Array |
         logits = apply_penalties(logits, st, output_ids_bl, prompt_ids_bl)
     if banned_ids_bn is not None:
         rows = jnp.arange(logits.shape[0])[:, None]
-        banned = jnp.zeros(logits.shape, bool).at[rows, jnp.where(banned_ids_bn >= 0, banned_ids_bn, 0)].max(
-            banned_ids_bn >= 0)
+        banned = (
+            jnp.zeros(logits.shape, bool)
+            .at[rows, jnp.where(banned_ids_bn >= 0, banned_ids_bn, 0)]
+            .max(banned_ids_bn >= 0)
+        )
         logits = jnp.where(banned, NEG_INF, logits)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

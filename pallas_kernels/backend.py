@@ -30,7 +30,7 @@ HOPPER_CHOICE: dict[str, str] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info() -> tuple[str, tuple[int, int] | None]:
     """Returns (platform, (major, minor) CUDA compute capability or None) of the default device."""
     device = jax.devices()[0]
@@ -105,4 +105,3 @@ def out_struct(shape, dtype, inputs) -> jax.ShapeDtypeStruct:
     mats = [jax.typeof(x).mat for x in inputs]
     varying = frozenset().union(*(m.varying for m in mats))
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
-

@@ -39,8 +39,18 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import flash_attention_bwd, flash_attention_mgpu, flash_attention_mgpu_bwd
-from pallas_kernels.flash_attention_common import (LN2, BlockSizes, KernelStatic, apply_mask, backward_inputs, dot,
-                                                   kv_block_range, scaled_logits, three_loops, visible)
+from pallas_kernels.flash_attention_common import (
+    LN2,
+    BlockSizes,
+    KernelStatic,
+    apply_mask,
+    backward_inputs,
+    dot,
+    kv_block_range,
+    scaled_logits,
+    three_loops,
+    visible,
+)
 
 __all__ = ["BlockSizes", "flash_attention", "reference"]
 _SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -51,8 +61,21 @@ _SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(qoff_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, *, st: KernelStatic,
-                bq: int, bk: int, num_q_blocks: int):
+def _fwd_kernel(
+    qoff_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    qseg_ref,
+    kseg_ref,
+    o_ref,
+    lse_ref,
+    *,
+    st: KernelStatic,
+    bq: int,
+    bk: int,
+    num_q_blocks: int,
+):
     # qoff_ref: [1] int32            q_ref: [bq, D]          k_ref, v_ref: [Tk_pad, D]
     # qseg_ref: [bq] int32 | None    kseg_ref: [Tk_pad] int32 | None
     # o_ref: [bq, D]                 lse_ref: [bq] fp32 (natural log)
@@ -88,8 +111,11 @@ def _fwd_kernel(qoff_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_re
         acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    carry = (jnp.zeros((bq, head_dim), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
-             jnp.zeros((bq,), jnp.float32))
+    carry = (
+        jnp.zeros((bq, head_dim), jnp.float32),
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
     bounds = kv_block_range(q_first, q_last, k_ref.shape[0] // bk, bk, st)
     acc, m, l = three_loops(bounds, body, carry)
     empty = l == 0.0
@@ -127,8 +153,10 @@ def _fwd_call(q, k, v, q_off, q_seg, k_seg, st: KernelStatic):
         None if k_seg is None else pl.BlockSpec((None, tk_pad), lambda i, b, h: (b, 0)),
     ]
     out_specs = [pl.BlockSpec((None, bq, None, head_dim), q_block), pl.BlockSpec((None, None, bq), lse_block)]
-    out_shape = [backend_lib.out_struct(q.shape, q.dtype, (q, k, v)),
-                 backend_lib.out_struct((batch, hq, tq_pad), jnp.float32, (q, k, v))]
+    out_shape = [
+        backend_lib.out_struct(q.shape, q.dtype, (q, k, v)),
+        backend_lib.out_struct((batch, hq, tq_pad), jnp.float32, (q, k, v)),
+    ]
     return pl.pallas_call(
         kernel,
         grid=(nq, batch, hq),
@@ -165,8 +193,12 @@ def _flash_core_fwd(q, k, v, q_off, q_seg, k_seg, st: KernelStatic, fwd_impl: st
 def _use_mgpu_backward(q, k, st: KernelStatic, fwd_impl: str) -> bool:
     """The Mosaic GPU backward runs after a Mosaic GPU forward when it handles the call."""
     q_multiple, k_multiple = flash_attention_mgpu_bwd.tile_multiples()
-    return (fwd_impl == "mosaic_gpu" and flash_attention_mgpu_bwd.supports(q.dtype, q.shape[-1], st)
-            and q.shape[1] % q_multiple == 0 and k.shape[1] % k_multiple == 0)
+    return (
+        fwd_impl == "mosaic_gpu"
+        and flash_attention_mgpu_bwd.supports(q.dtype, q.shape[-1], st)
+        and q.shape[1] % q_multiple == 0
+        and k.shape[1] % k_multiple == 0
+    )
 
 
 def _flash_core_bwd(st: KernelStatic, fwd_impl: str, res, cotangents):
@@ -199,9 +231,14 @@ def _fit_blocks(blocks: BlockSizes, q_len: int, kv_len: int) -> BlockSizes:
     fit_q = lambda b: min(b, max(16, _next_pow2(q_len)))  # noqa: E731
     fit_k = lambda b: min(b, max(16, _next_pow2(kv_len)))  # noqa: E731
     return dataclasses.replace(
-        blocks, block_q=fit_q(blocks.block_q), block_k=fit_k(blocks.block_k),
-        block_q_dq=fit_q(blocks.block_q_dq), block_k_dq=fit_k(blocks.block_k_dq),
-        block_q_dkv=fit_q(blocks.block_q_dkv), block_k_dkv=fit_k(blocks.block_k_dkv))
+        blocks,
+        block_q=fit_q(blocks.block_q),
+        block_k=fit_k(blocks.block_k),
+        block_q_dq=fit_q(blocks.block_q_dq),
+        block_k_dq=fit_k(blocks.block_k_dq),
+        block_q_dkv=fit_q(blocks.block_q_dkv),
+        block_k_dkv=fit_k(blocks.block_k_dkv),
+    )
 
 
 def _pad_axis(x, axis: int, size: int):
@@ -212,17 +249,51 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "sliding_window", "logits_soft_cap",
-                                             "return_lse", "backend", "block_sizes", "static_q_offset"))
-def _flash_attention_pallas(q, k, v, q_offset, q_seg, k_seg, *, causal, sm_scale, sliding_window,
-                            logits_soft_cap, return_lse, backend, block_sizes, static_q_offset):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "causal",
+        "sm_scale",
+        "sliding_window",
+        "logits_soft_cap",
+        "return_lse",
+        "backend",
+        "block_sizes",
+        "static_q_offset",
+    ),
+)
+def _flash_attention_pallas(
+    q,
+    k,
+    v,
+    q_offset,
+    q_seg,
+    k_seg,
+    *,
+    causal,
+    sm_scale,
+    sliding_window,
+    logits_soft_cap,
+    return_lse,
+    backend,
+    block_sizes,
+    static_q_offset,
+):
     _, q_len, _, head_dim = q.shape
     kv_len = k.shape[1]
     blocks = _fit_blocks(block_sizes, q_len, kv_len)
-    st = KernelStatic(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window,
-                      logits_soft_cap=logits_soft_cap, q_len=q_len, kv_len=kv_len, has_segments=q_seg is not None,
-                      blocks=blocks, interpret=backend == "interpret",
-                      static_q_offset=static_q_offset if causal else 0)  # q_offset is irrelevant without causal
+    st = KernelStatic(
+        causal=causal,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        q_len=q_len,
+        kv_len=kv_len,
+        has_segments=q_seg is not None,
+        blocks=blocks,
+        interpret=backend == "interpret",
+        static_q_offset=static_q_offset if causal else 0,
+    )  # q_offset is irrelevant without causal
     use_mgpu = backend == "mosaic_gpu" and flash_attention_mgpu.supports(q.dtype, head_dim, st)
     # Pad lengths to a multiple of every tile that will walk them (all powers of two, so the max suffices).
     q_multiple = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
@@ -238,8 +309,16 @@ def _flash_attention_pallas(q, k, v, q_offset, q_seg, k_seg, *, causal, sm_scale
     k_p = _pad_axis(_pad_axis(k, 1, tk_pad), 3, d_pad)  # [B, Tk_pad, Hkv, D_pad]
     v_p = _pad_axis(_pad_axis(v, 1, tk_pad), 3, d_pad)
     q_off = jnp.asarray(q_offset, jnp.int32).reshape(1)
-    o, lse = _flash_core(q_p, k_p, v_p, q_off, _pad_axis(q_seg, 1, tq_pad), _pad_axis(k_seg, 1, tk_pad),
-                         st, "mosaic_gpu" if use_mgpu else "triton")
+    o, lse = _flash_core(
+        q_p,
+        k_p,
+        v_p,
+        q_off,
+        _pad_axis(q_seg, 1, tq_pad),
+        _pad_axis(k_seg, 1, tk_pad),
+        st,
+        "mosaic_gpu" if use_mgpu else "triton",
+    )
     o = o[:, :q_len, :, :head_dim]  # [B, Tq, Hq, D]
     if return_lse:
         return o, lse[:, :, :q_len]  # [B, Hq, Tq] fp32, natural log
@@ -256,13 +335,16 @@ def _check_segments(segment_ids, batch: int, q_len: int, kv_len: int):
         q_seg, kv_seg = segment_ids
     else:
         if q_len != kv_len:
-            raise ValueError(f"a single segment_ids array needs Tq == Tk (got {q_len} and {kv_len}); "
-                             "pass a (q_seg, kv_seg) pair instead")
+            raise ValueError(
+                f"a single segment_ids array needs Tq == Tk (got {q_len} and {kv_len}); "
+                "pass a (q_seg, kv_seg) pair instead"
+            )
         q_seg = kv_seg = segment_ids
     for name, seg, length in (("q", q_seg, q_len), ("kv", kv_seg, kv_len)):
         if seg.shape != (batch, length) or not jnp.issubdtype(seg.dtype, jnp.integer):
-            raise ValueError(f"{name} segment ids must be integer [B={batch}, T={length}], got "
-                             f"{seg.dtype}{list(seg.shape)}")
+            raise ValueError(
+                f"{name} segment ids must be integer [B={batch}, T={length}], got {seg.dtype}{list(seg.shape)}"
+            )
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
@@ -298,8 +380,21 @@ def _validate(q, k, v, causal, sm_scale, q_offset, sliding_window, logits_soft_c
         raise ValueError(f"q_offset must be an int or an integer scalar array, got {q_offset!r}")
 
 
-def flash_attention(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_ids=None, sliding_window=None,
-                    logits_soft_cap=None, return_lse=False, backend=None, block_sizes: BlockSizes | None = None):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    sm_scale=None,
+    q_offset=0,
+    segment_ids=None,
+    sliding_window=None,
+    logits_soft_cap=None,
+    return_lse=False,
+    backend=None,
+    block_sizes: BlockSizes | None = None,
+):
     """Exact softmax attention, tiled so nothing [Tq, Tk]-sized is ever stored; differentiable.
 
     Args:
@@ -334,17 +429,31 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_
         raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    options = dict(causal=causal, sm_scale=sm_scale, q_offset=q_offset, sliding_window=sliding_window,
-                   logits_soft_cap=cap, return_lse=return_lse)
+    options = dict(
+        causal=causal,
+        sm_scale=sm_scale,
+        q_offset=q_offset,
+        sliding_window=sliding_window,
+        logits_soft_cap=cap,
+        return_lse=return_lse,
+    )
     if backend_name == "xla" or q.shape[1] == 0 or k.shape[1] == 0:
         seg = None if q_seg is None else (q_seg, k_seg)
         return reference(q, k, v, segment_ids=seg, **options)
     # The Mosaic GPU forward specialises on a Python-int q_offset; a traced one takes the Triton kernel.
     static_q_offset = q_offset if backend_name == "mosaic_gpu" and isinstance(q_offset, int) else None
-    return _flash_attention_pallas(q, k, v, q_offset, q_seg, k_seg, backend=backend_name,
-                                   static_q_offset=static_q_offset,
-                                   block_sizes=block_sizes or BlockSizes.for_head_dim(q.shape[-1]),
-                                   **{key: val for key, val in options.items() if key != "q_offset"})
+    return _flash_attention_pallas(
+        q,
+        k,
+        v,
+        q_offset,
+        q_seg,
+        k_seg,
+        backend=backend_name,
+        static_q_offset=static_q_offset,
+        block_sizes=block_sizes or BlockSizes.for_head_dim(q.shape[-1]),
+        **{key: val for key, val in options.items() if key != "q_offset"},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -352,10 +461,25 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_
 # ---------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "sliding_window", "logits_soft_cap",
-                                             "return_lse", "backend", "block_sizes"))
-def reference(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_ids=None, sliding_window=None,
-              logits_soft_cap=None, return_lse=False, backend=None, block_sizes=None):
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "sm_scale", "sliding_window", "logits_soft_cap", "return_lse", "backend", "block_sizes"),
+)
+def reference(
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    sm_scale=None,
+    q_offset=0,
+    segment_ids=None,
+    sliding_window=None,
+    logits_soft_cap=None,
+    return_lse=False,
+    backend=None,
+    block_sizes=None,
+):
     """Plain-jnp attention with flash_attention's signature, in float32 at HIGHEST precision.
 
     `backend` and `block_sizes` are accepted and ignored so the two functions are interchangeable.
@@ -383,8 +507,13 @@ def reference(q, k, v, *, causal=True, sm_scale=None, q_offset=0, segment_ids=No
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST).reshape(q.shape).astype(q.dtype)
+    o = (
+        jnp.einsum(
+            "bhgqk,bkhd->bqhgd", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32), precision=lax.Precision.HIGHEST
+        )
+        .reshape(q.shape)
+        .astype(q.dtype)
+    )
     if not return_lse:
         return o
     lse = jnp.where(l[..., 0] == 0, -jnp.inf, m[..., 0] + jnp.log(jnp.where(l[..., 0] == 0, 1.0, l[..., 0])))

@@ -10,20 +10,42 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import out_struct
-from pallas_kernels.flash_attention_common import (LOG2E, KernelStatic, apply_mask, dot, kv_block_range,
-                                                   q_block_range, scaled_logits, soft_cap_grad, three_loops,
-                                                   visible)
+from pallas_kernels.flash_attention_common import (
+    LOG2E,
+    KernelStatic,
+    apply_mask,
+    dot,
+    kv_block_range,
+    q_block_range,
+    scaled_logits,
+    soft_cap_grad,
+    three_loops,
+    visible,
+)
 
 
-def _dq_kernel(qoff_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref, *,
-               st: KernelStatic, bq: int, bk: int):
+def _dq_kernel(
+    qoff_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qseg_ref,
+    kseg_ref,
+    dq_ref,
+    *,
+    st: KernelStatic,
+    bq: int,
+    bk: int,
+):
     # qoff_ref: [1] int32    q_ref, do_ref: [bq, D]    k_ref, v_ref: [Tk_pad, D]
     # lse_ref, delta_ref: [bq] f32 (lse is +inf for rows that see nothing, so their p is 0)
     # qseg_ref: [bq] | None  kseg_ref: [Tk_pad] | None    dq_ref: [bq, D]
@@ -59,8 +81,24 @@ def _dq_kernel(qoff_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_r
     dq_ref[...] = (dq * st.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(qoff_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref,
-                *, st: KernelStatic, bq: int, bk: int, group: int):
+def _dkv_kernel(
+    qoff_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qseg_ref,
+    kseg_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    st: KernelStatic,
+    bq: int,
+    bk: int,
+    group: int,
+):
     # qoff_ref: [1] int32    q_ref, do_ref: [Tq_pad, G, D] (the G query heads sharing this kv head)
     # k_ref, v_ref: [bk, D]  lse_ref, delta_ref: [G, Tq_pad] f32
     # qseg_ref: [Tq_pad] | None   kseg_ref: [bk] | None   dk_ref, dv_ref: [bk, D]
@@ -114,7 +152,13 @@ def dq_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st: KernelStatic):
     kv_spec = pl.BlockSpec((None, tk_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     in_specs = [
-        pl.BlockSpec((1,), lambda i, b, h: (0,)), q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+        pl.BlockSpec((1,), lambda i, b, h: (0,)),
+        q_spec,
+        kv_spec,
+        kv_spec,
+        q_spec,
+        row_spec,
+        row_spec,
         None if q_seg is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
         None if k_seg is None else pl.BlockSpec((None, tk_pad), lambda i, b, h: (b, 0)),
     ]
@@ -140,7 +184,13 @@ def dkv_call(q, k, v, do, lse, delta, q_off, q_seg, k_seg, st: KernelStatic):
     kv_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
     row_spec = pl.BlockSpec((None, group, tq_pad), lambda j, b, h: (b, h, 0))
     in_specs = [
-        pl.BlockSpec((1,), lambda j, b, h: (0,)), q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+        pl.BlockSpec((1,), lambda j, b, h: (0,)),
+        q_spec,
+        kv_spec,
+        kv_spec,
+        q_spec,
+        row_spec,
+        row_spec,
         None if q_seg is None else pl.BlockSpec((None, tq_pad), lambda j, b, h: (b, 0)),
         None if k_seg is None else pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
     ]

@@ -49,11 +49,19 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field.name} must be a power of two >= 16, got {value}")
 
     @classmethod
-    def for_head_dim(cls, head_dim: int) -> "BlockSizes":
+    def for_head_dim(cls, head_dim: int) -> BlockSizes:
         """Defaults that fit registers/SMEM for `head_dim` (measured on an H200, benchmarks/kernels_flash.py)."""
         if head_dim > 128:
-            return cls(block_q=64, block_k=64, num_warps=4, num_stages=2,
-                       block_q_dq=32, block_k_dq=64, block_q_dkv=32, block_k_dkv=64)
+            return cls(
+                block_q=64,
+                block_k=64,
+                num_warps=4,
+                num_stages=2,
+                block_q_dq=32,
+                block_k_dq=64,
+                block_q_dkv=32,
+                block_k_dkv=64,
+            )
         return cls()
 
 

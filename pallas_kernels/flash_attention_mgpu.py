@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -76,7 +75,7 @@ class MgpuConfig:
             raise ValueError(f"compute_registers must be 232 or 240, got {self.compute_registers}")
 
     @classmethod
-    def for_head_dim(cls, head_dim: int, causal: bool = True) -> "MgpuConfig":
+    def for_head_dim(cls, head_dim: int, causal: bool = True) -> MgpuConfig:
         """The default tiles; non-causal D=128 takes the intra-warpgroup pipelined loop (round 3 of
         benchmarks/results/flash_notes.md: 635 / 597 TFLOP/s vs 604 / 590 for the plain loop, one run)."""
         if head_dim > 128:
@@ -88,9 +87,15 @@ class MgpuConfig:
 
 def supports(q_dtype, head_dim: int, st) -> bool:
     """Whether the Mosaic GPU forward handles this call (`st` is flash_attention_common.KernelStatic)."""
-    return (jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
-            and head_dim <= 256 and st.sliding_window is None and not st.has_segments
-            and st.logits_soft_cap is None and st.static_q_offset is not None)
+    return (
+        jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim % 64 == 0
+        and head_dim <= 256
+        and st.sliding_window is None
+        and not st.has_segments
+        and st.logits_soft_cap is None
+        and st.static_q_offset is not None
+    )
 
 
 def tile_multiples(head_dim: int) -> tuple[int, int]:
@@ -116,21 +121,36 @@ def forward(q, k, v, st, cfg: MgpuConfig | None = None, interpret=None):
     num_q_tiles = tq_pad // (COMPUTE_WGS * cfg.block_q)
     num_kv_blocks = tk_pad // cfg.block_kv
     steps = min(cfg.max_concurrent_steps, num_kv_blocks)
-    dims = _Dims(block_q=cfg.block_q, block_kv=cfg.block_kv, head_dim=head_dim, group=hq // hkv, steps=steps,
-                 num_q_tiles=num_q_tiles, num_kv_blocks=num_kv_blocks, dtype=q.dtype,
-                 pipelined=cfg.pipelined, compute_registers=cfg.compute_registers, split_refill=cfg.split_refill,
-                 interpret=interpret is not None)
+    dims = _Dims(
+        block_q=cfg.block_q,
+        block_kv=cfg.block_kv,
+        head_dim=head_dim,
+        group=hq // hkv,
+        steps=steps,
+        num_q_tiles=num_q_tiles,
+        num_kv_blocks=num_kv_blocks,
+        dtype=q.dtype,
+        pipelined=cfg.pipelined,
+        compute_registers=cfg.compute_registers,
+        split_refill=cfg.split_refill,
+        interpret=interpret is not None,
+    )
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         pl.run_scoped(
             lambda *scoped: _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, st=st, d=dims),
-            (plgpu.SMEM((COMPUTE_WGS, cfg.block_q, head_dim), q.dtype, transforms=transforms),  # q, then o
-             plgpu.SMEM((steps, cfg.block_kv, head_dim), q.dtype, transforms=transforms),  # k ring
-             plgpu.SMEM((steps, cfg.block_kv, head_dim), q.dtype, transforms=transforms),  # v ring
-             plgpu.SMEM((COMPUTE_WGS, cfg.block_q), jnp.float32)),  # lse staging
-            (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-             plgpu.Barrier(num_barriers=COMPUTE_WGS)),  # k ready, v ready, q ready
+            (
+                plgpu.SMEM((COMPUTE_WGS, cfg.block_q, head_dim), q.dtype, transforms=transforms),  # q, then o
+                plgpu.SMEM((steps, cfg.block_kv, head_dim), q.dtype, transforms=transforms),  # k ring
+                plgpu.SMEM((steps, cfg.block_kv, head_dim), q.dtype, transforms=transforms),  # v ring
+                plgpu.SMEM((COMPUTE_WGS, cfg.block_q), jnp.float32),
+            ),  # lse staging
+            (
+                plgpu.Barrier(num_barriers=steps),
+                plgpu.Barrier(num_barriers=steps),
+                plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            ),  # k ready, v ready, q ready
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),) * 2,  # k consumed, v consumed
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core schedule (ping-pong)
             collective_axes="wg",
@@ -191,9 +211,22 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, st, d: _Dims):
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(d.compute_registers, action="increase")
-        _compute_wg(q_ref, o_ref, lse_ref, qo_smem2.at[wg], lse_smem2.at[wg], k_smem, v_smem,
-                    (k_ready, v_ready, q_ready.at[wg]), (k_consumed, v_consumed), schedule,
-                    q_base=cta_q_base + wg * d.block_q, cta_steps=cta_steps, st=st, d=d)
+        _compute_wg(
+            q_ref,
+            o_ref,
+            lse_ref,
+            qo_smem2.at[wg],
+            lse_smem2.at[wg],
+            k_smem,
+            v_smem,
+            (k_ready, v_ready, q_ready.at[wg]),
+            (k_consumed, v_consumed),
+            schedule,
+            q_base=cta_q_base + wg * d.block_q,
+            cta_steps=cta_steps,
+            st=st,
+            d=d,
+        )
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -238,8 +271,23 @@ def _memory_wg(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_consumed, v_con
         wait_consumed(step)
 
 
-def _compute_wg(q_ref, o_ref, lse_ref, qo_smem, lse_smem, k_smem, v_smem, ready, consumed, schedule, *,
-                q_base, cta_steps, st, d: _Dims):
+def _compute_wg(
+    q_ref,
+    o_ref,
+    lse_ref,
+    qo_smem,
+    lse_smem,
+    k_smem,
+    v_smem,
+    ready,
+    consumed,
+    schedule,
+    *,
+    q_base,
+    cta_steps,
+    st,
+    d: _Dims,
+):
     k_ready, v_ready, q_ready = ready
     k_consumed, v_consumed = consumed
     batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -337,8 +385,26 @@ def _compute_wg(q_ref, o_ref, lse_ref, qo_smem, lse_smem, k_smem, v_smem, ready,
     plgpu.barrier_wait(k_ready.at[0])
     pl.when(wg == 1)(schedule_barrier)
     if d.pipelined and not d.interpret:
-        acc = _pipelined_steps(acc, m_i, l_i, lse_smem, qo_smem, k_smem, v_smem, ready, consumed, schedule_barrier,
-                               schedule, mask, softmax, wait_k, slot_of, full_steps, kv_steps, d)
+        acc = _pipelined_steps(
+            acc,
+            m_i,
+            l_i,
+            lse_smem,
+            qo_smem,
+            k_smem,
+            v_smem,
+            ready,
+            consumed,
+            schedule_barrier,
+            schedule,
+            mask,
+            softmax,
+            wait_k,
+            slot_of,
+            full_steps,
+            kv_steps,
+            d,
+        )
     else:
         carry = lax.fori_loop(0, full_steps, lambda i, c: kv_step(i, c, masked=False), (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, lambda i, c: kv_step(i, c, masked=True), carry)
@@ -354,8 +420,26 @@ def _compute_wg(q_ref, o_ref, lse_ref, qo_smem, lse_smem, k_smem, v_smem, ready,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _pipelined_steps(acc, m_i, l_i, lse_smem, qo_smem, k_smem, v_smem, ready, consumed, schedule_barrier,
-                     schedule, mask, softmax, wait_k, slot_of, full_steps, kv_steps, d: _Dims):
+def _pipelined_steps(
+    acc,
+    m_i,
+    l_i,
+    lse_smem,
+    qo_smem,
+    k_smem,
+    v_smem,
+    ready,
+    consumed,
+    schedule_barrier,
+    schedule,
+    mask,
+    softmax,
+    wait_k,
+    slot_of,
+    full_steps,
+    kv_steps,
+    d: _Dims,
+):
     """FA3's intra-warpgroup overlap: step i issues q @ k_i.T and p_{i-1} @ v_{i-1} back to back, waits only
     for the first, and runs softmax(s_i) while p_{i-1} @ v_{i-1} is still on the tensor cores.
 

@@ -79,9 +79,14 @@ def supports(q_dtype, head_dim: int, st) -> bool:
 
     bf16 only: the kernels are dtype-generic, but fp16 gradients have not been checked on a GPU yet.
     """
-    return (jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16) and head_dim == 128
-            and st.sliding_window is None and not st.has_segments and st.logits_soft_cap is None
-            and st.static_q_offset is not None)
+    return (
+        jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16)
+        and head_dim == 128
+        and st.sliding_window is None
+        and not st.has_segments
+        and st.logits_soft_cap is None
+        and st.static_q_offset is not None
+    )
 
 
 def tile_multiples() -> tuple[int, int]:
@@ -118,13 +123,24 @@ def backward(q, k, v, o, lse, do, dlse, st, cfg: MgpuBwdConfig | None = None, in
     if interpret and cfg.fused:
         raise ValueError("the fused variant needs TMA reduce-adds, which the Mosaic GPU interpreter lacks")
     if head_dim != 128 or tq_pad % KV_PER_CTA or tk_pad % KV_PER_CTA or hq % hkv:
-        raise ValueError(f"mosaic_gpu backward needs D = 128, Tq and Tk multiples of {KV_PER_CTA} and "
-                         f"Hq % Hkv == 0; got q {q.shape}, k {k.shape}")
+        raise ValueError(
+            f"mosaic_gpu backward needs D = 128, Tq and Tk multiples of {KV_PER_CTA} and "
+            f"Hq % Hkv == 0; got q {q.shape}, k {k.shape}"
+        )
     delta, lse, do = backward_inputs(o, lse, do, dlse, q.dtype)  # delta [B, Hq, Tq]
     lse2 = lse * LOG2E
-    dims = _Dims(head_dim=head_dim, group=hq // hkv, steps=cfg.max_concurrent_steps,
-                 num_q_blocks=-(-st.q_len // BLOCK), q_off=st.static_q_offset if st.causal else 0,
-                 causal=st.causal, kv_len=st.kv_len, dtype=q.dtype, with_dq=cfg.fused, interpret=interpret)
+    dims = _Dims(
+        head_dim=head_dim,
+        group=hq // hkv,
+        steps=cfg.max_concurrent_steps,
+        num_q_blocks=-(-st.q_len // BLOCK),
+        q_off=st.static_q_offset if st.causal else 0,
+        causal=st.causal,
+        kv_len=st.kv_len,
+        dtype=q.dtype,
+        with_dq=cfg.fused,
+        interpret=interpret,
+    )
     if not cfg.fused:
         dk, dv = _dkv_call(q, k, v, do, lse2, delta, None, st.sm_scale, dims)
         dq_dims = dataclasses.replace(dims, steps=min(cfg.dq_steps, tk_pad // cfg.dq_block_kv))
@@ -143,26 +159,49 @@ def _dkv_call(q, k, v, do, lse2, delta, dq_acc, sm_scale, dims: _Dims):
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
         dq_ref, dk_ref, dv_ref = refs if dims.with_dq else (None, *refs)
         dq_scratch = (
-            plgpu.SMEM((2, KV_PER_CTA, BLOCK), q.dtype, transforms=_BF16_TILES),  # dS^T, double-buffered
-            plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim // COMPUTE_WGS), jnp.float32,  # dQ halves
-                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-        ) if dims.with_dq else (None, None)
+            (
+                plgpu.SMEM((2, KV_PER_CTA, BLOCK), q.dtype, transforms=_BF16_TILES),  # dS^T, double-buffered
+                plgpu.SMEM(
+                    (COMPUTE_WGS, BLOCK, head_dim // COMPUTE_WGS),
+                    jnp.float32,  # dQ halves
+                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
+                ),
+            )
+            if dims.with_dq
+            else (None, None)
+        )
         pl.run_scoped(
-            lambda *scoped: _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
-                                        scoped, sm_scale=sm_scale, d=dims),
-            (plgpu.SMEM((KV_PER_CTA, head_dim), q.dtype, transforms=_BF16_TILES),  # K, then dK
-             plgpu.SMEM((KV_PER_CTA, head_dim), q.dtype, transforms=_BF16_TILES),  # V, then dV
-             plgpu.SMEM((s, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # Q ring
-             plgpu.SMEM((s, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # dO ring
-             plgpu.SMEM((s, BLOCK), jnp.float32),  # lse2 ring
-             plgpu.SMEM((s, BLOCK), jnp.float32),  # delta ring
-             *dq_scratch,
-             _stage(dims, BLOCK)),
-            (plgpu.Barrier(num_arrivals=2),  # K and V loaded
-             plgpu.Barrier(num_arrivals=4, num_barriers=s),  # slot ready: Q, dO, lse2, delta
-             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=s),  # slot consumed
-             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),  # fused: dS^T of both warpgroups in SMEM
-             plgpu.Barrier(num_arrivals=COMPUTE_WGS)),  # fused: both done reading K (before dK overwrites it)
+            lambda *scoped: _dkv_kernel(
+                q_ref,
+                k_ref,
+                v_ref,
+                do_ref,
+                lse_ref,
+                delta_ref,
+                dq_ref,
+                dk_ref,
+                dv_ref,
+                scoped,
+                sm_scale=sm_scale,
+                d=dims,
+            ),
+            (
+                plgpu.SMEM((KV_PER_CTA, head_dim), q.dtype, transforms=_BF16_TILES),  # K, then dK
+                plgpu.SMEM((KV_PER_CTA, head_dim), q.dtype, transforms=_BF16_TILES),  # V, then dV
+                plgpu.SMEM((s, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # Q ring
+                plgpu.SMEM((s, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # dO ring
+                plgpu.SMEM((s, BLOCK), jnp.float32),  # lse2 ring
+                plgpu.SMEM((s, BLOCK), jnp.float32),  # delta ring
+                *dq_scratch,
+                _stage(dims, BLOCK),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=2),  # K and V loaded
+                plgpu.Barrier(num_arrivals=4, num_barriers=s),  # slot ready: Q, dO, lse2, delta
+                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=s),  # slot consumed
+                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),  # fused: dS^T of both warpgroups in SMEM
+                plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            ),  # fused: both done reading K (before dK overwrites it)
             collective_axes="wg",
         )
 
@@ -182,6 +221,7 @@ def _dkv_call(q, k, v, do, lse2, delta, dq_acc, sm_scale, dims: _Dims):
 def _two_products(shape, first, second):
     """(a @ b for (a, b) in first, second) in f32 registers: two wgmmas into fresh [shape] accumulators
     (the scores S and dP = dO V^T, or their transposes, of one tile)."""
+
     def body(acc0, acc1):
         plgpu.wgmma(acc0, *first)
         plgpu.wgmma(acc1, *second)
@@ -256,8 +296,7 @@ def _block_range(kv_first, d: _Dims):
     return lo, full_lo, hi
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, scoped, *,
-                sm_scale, d: _Dims):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, scoped, *, sm_scale, d: _Dims):
     # q_ref, do_ref: [B, Tq_pad, Hq, D] GMEM      k_ref, v_ref, dk_ref, dv_ref: [B, Tk_pad, Hkv, D] GMEM
     # lse_ref (log2 domain), delta_ref: [B, Hq, Tq_pad] f32      dq_ref: [B, Tq_pad, Hq, D] f32 (reduce-add)
     smem, (kv_ready, ready, consumed, ds_ready, k_done) = scoped
@@ -273,20 +312,46 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref,
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, None if dq_smem is None else dq_smem.at[wg],
-                    None if stage is None else stage.at[wg],
-                    (kv_ready, ready, consumed, ds_ready, k_done), (lo, full_lo, hi, per_head), kv_first,
-                    sm_scale=sm_scale, d=d)
+        _compute_wg(
+            dq_ref,
+            dk_ref,
+            dv_ref,
+            k_smem,
+            v_smem,
+            rings,
+            ds_smem,
+            None if dq_smem is None else dq_smem.at[wg],
+            None if stage is None else stage.at[wg],
+            (kv_ready, ready, consumed, ds_ready, k_done),
+            (lo, full_lo, hi, per_head),
+            kv_first,
+            sm_scale=sm_scale,
+            d=d,
+        )
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        _memory_wg(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, k_smem, v_smem, rings,
-                   (kv_ready, ready, consumed), (lo, per_head), kv_first, d)
+        _memory_wg(
+            q_ref,
+            k_ref,
+            v_ref,
+            do_ref,
+            lse_ref,
+            delta_ref,
+            k_smem,
+            v_smem,
+            rings,
+            (kv_ready, ready, consumed),
+            (lo, per_head),
+            kv_first,
+            d,
+        )
 
 
-def _memory_wg(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, k_smem, v_smem, rings, barriers, bounds,
-               kv_first, d: _Dims):
+def _memory_wg(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, k_smem, v_smem, rings, barriers, bounds, kv_first, d: _Dims
+):
     q_smem, do_smem, lse_smem, delta_smem = rings
     kv_ready, ready, consumed = barriers
     lo, per_head = bounds
@@ -307,8 +372,23 @@ def _memory_wg(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, k_smem, v_smem, 
     _produce_ring(issue, total, consumed, d)
 
 
-def _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, dq_smem, stage, barriers, bounds, kv_first,
-                *, sm_scale, d: _Dims):
+def _compute_wg(
+    dq_ref,
+    dk_ref,
+    dv_ref,
+    k_smem,
+    v_smem,
+    rings,
+    ds_smem,
+    dq_smem,
+    stage,
+    barriers,
+    bounds,
+    kv_first,
+    *,
+    sm_scale,
+    d: _Dims,
+):
     q_smem, do_smem, lse_smem, delta_smem = rings
     kv_ready, ready, consumed, ds_ready, k_done = barriers
     lo, full_lo, hi, per_head = bounds
@@ -336,14 +416,14 @@ def _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, dq_smem,
             kpos = kv_first + wg * BLOCK + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
             seen = kpos < d.kv_len
             if d.causal:
-                qpos = d.q_off + qb * BLOCK + plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                                      layout=plgpu.Layout.WGMMA)
+                qpos = d.q_off + qb * BLOCK + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                 seen = jnp.logical_and(seen, kpos <= qpos)
             s_t = jnp.where(seen, s_t, -jnp.inf)
         p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse2, shape, [1]))  # [64 keys, 64 queries]
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
         p_lo, ds_lo = p_t.astype(d.dtype), ds_t.astype(d.dtype)
         if not d.with_dq:
+
             def grads(refs):
                 dv_ref, dk_ref = refs
                 plgpu.wgmma(dv_ref, p_lo, do_s)
@@ -367,14 +447,14 @@ def _compute_wg(dq_ref, dk_ref, dv_ref, k_smem, v_smem, rings, ds_smem, dq_smem,
             plgpu.wgmma(dq_part_ref, ds_smem.at[dslot].transpose((1, 0)), k_cols)
 
         dq0 = plgpu.layout_cast(jnp.zeros((BLOCK, half), jnp.float32), plgpu.Layout.WGMMA)
-        dv, dk, dq_part = pl.run_state(grads_fused)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                                     plgpu.ACC.init(dq0)))
+        dv, dk, dq_part = pl.run_state(grads_fused)((plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(dq0)))
         plgpu.barrier_arrive(consumed.at[slot])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduction has read dq_smem
         dq_smem[...] = dq_part
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[batch, pl.ds(qb * BLOCK, BLOCK), head, pl.ds(wg * half, half)],
-                                reduction_op="add")
+        plgpu.copy_smem_to_gmem(
+            dq_smem, dq_ref.at[batch, pl.ds(qb * BLOCK, BLOCK), head, pl.ds(wg * half, half)], reduction_op="add"
+        )
         return dk, dv
 
     def one_head(g, carry):
@@ -411,18 +491,34 @@ def _dq_call(q, k, v, do, lse2, delta, sm_scale, block_kv: int, d: _Dims):
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
         pl.run_scoped(
-            lambda *scoped: _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped,
-                                       sm_scale=sm_scale, block_kv=block_kv, num_q_tiles=num_q_tiles, d=d),
-            (plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # Q, then dQ
-             plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # dO
-             plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),  # lse2
-             plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),  # delta
-             plgpu.SMEM((d.steps, block_kv, head_dim), q.dtype, transforms=_BF16_TILES),  # K ring
-             plgpu.SMEM((d.steps, block_kv, head_dim), q.dtype, transforms=_BF16_TILES),  # V ring
-             _stage(d, block_kv)),
-            (plgpu.Barrier(num_arrivals=4, num_barriers=COMPUTE_WGS),  # Q, dO, lse2, delta of each warpgroup
-             plgpu.Barrier(num_arrivals=2, num_barriers=d.steps),  # K and V block ready
-             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=d.steps)),  # slot consumed
+            lambda *scoped: _dq_kernel(
+                q_ref,
+                k_ref,
+                v_ref,
+                do_ref,
+                lse_ref,
+                delta_ref,
+                dq_ref,
+                scoped,
+                sm_scale=sm_scale,
+                block_kv=block_kv,
+                num_q_tiles=num_q_tiles,
+                d=d,
+            ),
+            (
+                plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # Q, then dQ
+                plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), q.dtype, transforms=_BF16_TILES),  # dO
+                plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),  # lse2
+                plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),  # delta
+                plgpu.SMEM((d.steps, block_kv, head_dim), q.dtype, transforms=_BF16_TILES),  # K ring
+                plgpu.SMEM((d.steps, block_kv, head_dim), q.dtype, transforms=_BF16_TILES),  # V ring
+                _stage(d, block_kv),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=4, num_barriers=COMPUTE_WGS),  # Q, dO, lse2, delta of each warpgroup
+                plgpu.Barrier(num_arrivals=2, num_barriers=d.steps),  # K and V block ready
+                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=d.steps),
+            ),  # slot consumed
             collective_axes="wg",
         )
 
@@ -438,8 +534,21 @@ def _dq_call(q, k, v, do, lse2, delta, sm_scale, block_kv: int, d: _Dims):
     )(q, k, v, do, lse2, delta)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, *, sm_scale, block_kv: int,
-               num_q_tiles: int, d: _Dims):
+def _dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    scoped,
+    *,
+    sm_scale,
+    block_kv: int,
+    num_q_tiles: int,
+    d: _Dims,
+):
     # q_ref, do_ref, dq_ref: [B, Tq_pad, Hq, D] GMEM    k_ref, v_ref: [B, Tk_pad, Hkv, D] GMEM
     # lse_ref (log2 domain), delta_ref: [B, Hq, Tq_pad] f32
     smem, (q_ready, kv_ready, consumed) = scoped
@@ -462,10 +571,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         own = (q_smem2.at[wg], do_smem2.at[wg], lse_smem2.at[wg], delta_smem2.at[wg])
-        _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, None if stage is None else stage.at[wg],
-                       k_smem, v_smem,
-                       (q_ready.at[wg], kv_ready, consumed), (full_hi, hi), cta_first + wg * BLOCK,
-                       sm_scale=sm_scale, block_kv=block_kv, d=d)
+        _dq_compute_wg(
+            q_ref,
+            do_ref,
+            lse_ref,
+            delta_ref,
+            dq_ref,
+            own,
+            None if stage is None else stage.at[wg],
+            k_smem,
+            v_smem,
+            (q_ready.at[wg], kv_ready, consumed),
+            (full_hi, hi),
+            cta_first + wg * BLOCK,
+            sm_scale=sm_scale,
+            block_kv=block_kv,
+            d=d,
+        )
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -481,8 +603,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
         _produce_ring(issue, hi, consumed, d)  # d.steps <= the key blocks: the prologue stays in bounds
 
 
-def _dq_compute_wg(q_ref, do_ref, lse_ref, delta_ref, dq_ref, own, stage, k_smem, v_smem, barriers, bounds, q_base,
-                   *, sm_scale, block_kv: int, d: _Dims):
+def _dq_compute_wg(
+    q_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    own,
+    stage,
+    k_smem,
+    v_smem,
+    barriers,
+    bounds,
+    q_base,
+    *,
+    sm_scale,
+    block_kv: int,
+    d: _Dims,
+):
     q_smem, do_smem, lse_smem, delta_smem = own  # [64, D], [64, D], [64] f32, [64] f32
     q_ready, kv_ready, consumed = barriers
     full_hi, hi = bounds

@@ -128,8 +128,9 @@ def attend_block(q, k, v, k_scale, v_scale, mask, carry, *, scale_log2, compute_
     k = k.astype(compute_dtype)
     # Triton's default for float32 operands is TF32; float32 pages ask for full IEEE products.
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
-    logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                 preferred_element_type=jnp.float32)  # [M, N]
+    logits = jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )  # [M, N]
     if k_scale is not None:
         logits = logits * k_scale[None, :]
     logits = jnp.where(mask, logits * scale_log2, MASK_VALUE)
@@ -139,8 +140,13 @@ def attend_block(q, k, v, k_scale, v_scale, mask, carry, *, scale_log2, compute_
     l_new = l_prev * alpha + p.sum(axis=-1)
     if v_scale is not None:
         p = p * v_scale[None, :]
-    pv = jax.lax.dot_general(p.astype(compute_dtype), v.astype(compute_dtype), (((1,), (0,)), ((), ())),
-                             precision=precision, preferred_element_type=jnp.float32)  # [M, D]
+    pv = jax.lax.dot_general(
+        p.astype(compute_dtype),
+        v.astype(compute_dtype),
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )  # [M, D]
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_new
 
@@ -200,8 +206,21 @@ def _decode_kernel(
 # ---------------------------------------------------------------------------------------------------------
 # pallas_call builder.
 # ---------------------------------------------------------------------------------------------------------
-def _build_decode_call(q4, k_pages, v_pages, k_scales, v_scales, block_tables, lengths, *, sm_scale,
-                       config, num_splits, interpret, out_dtype):
+def _build_decode_call(
+    q4,
+    k_pages,
+    v_pages,
+    k_scales,
+    v_scales,
+    block_tables,
+    lengths,
+    *,
+    sm_scale,
+    config,
+    num_splits,
+    interpret,
+    out_dtype,
+):
     """q4 [B, Hkv, Gp, D] (compute dtype); block_tables [B, num_splits * pages_per_split] (padded)."""
     batch, num_kv_heads, rows, head_dim = q4.shape
     _, num_pages, page_size, _ = k_pages.shape
@@ -281,8 +300,7 @@ def compute_dtype_for(q_dtype, page_dtype):
     return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
 
 
-def _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale, config,
-                  interpret):
+def _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale, config, interpret):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -296,8 +314,19 @@ def _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales
     q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(compute_dtype_for(q.dtype, k_pages.dtype))
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     o, m, l = _build_decode_call(
-        q4, k_pages, v_pages, k_scales, v_scales, block_tables, lengths, sm_scale=sm_scale, config=config,
-        num_splits=num_splits, interpret=interpret, out_dtype=q.dtype)
+        q4,
+        k_pages,
+        v_pages,
+        k_scales,
+        v_scales,
+        block_tables,
+        lengths,
+        sm_scale=sm_scale,
+        config=config,
+        num_splits=num_splits,
+        interpret=interpret,
+        out_dtype=q.dtype,
+    )
     if num_splits > 1:
         o = merge_splits(o, m, l)
     return o[:, :, :group, :].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
@@ -309,11 +338,13 @@ def _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales
 def validate_pages(name, q_heads, head_dim, k_pages, v_pages, k_scales, v_scales):
     """Shared checks of the paged KV operands; returns nothing, raises ValueError."""
     if k_pages.ndim != 4 or v_pages.ndim != 4:
-        raise ValueError(f"{name}: k_pages/v_pages must be [Hkv, num_pages, page_size, D], got "
-                         f"{k_pages.shape} and {v_pages.shape}")
+        raise ValueError(
+            f"{name}: k_pages/v_pages must be [Hkv, num_pages, page_size, D], got {k_pages.shape} and {v_pages.shape}"
+        )
     if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(f"{name}: k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} "
-                         f"{v_pages.dtype} differ")
+        raise ValueError(
+            f"{name}: k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} differ"
+        )
     num_kv_heads, _, page_size, page_dim = k_pages.shape
     if page_dim != head_dim:
         raise ValueError(f"{name}: q head_dim {head_dim} != page head_dim {page_dim}")
@@ -343,15 +374,28 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
     batch, q_heads, head_dim = q.shape
     validate_pages("paged_attention", q_heads, head_dim, k_pages, v_pages, k_scales, v_scales)
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.dtype != jnp.int32:
-        raise ValueError(f"paged_attention: block_tables must be int32 [B={batch}, max_blocks], got "
-                         f"{block_tables.shape} {block_tables.dtype}")
+        raise ValueError(
+            f"paged_attention: block_tables must be int32 [B={batch}, max_blocks], got "
+            f"{block_tables.shape} {block_tables.dtype}"
+        )
     if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
         raise ValueError(f"paged_attention: lengths must be int32 [{batch}], got {lengths.shape} {lengths.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config"))
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, k_scales=None,
-                    v_scales=None, backend=None, config: PagedAttentionConfig = PagedAttentionConfig()):
+def paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    *,
+    sm_scale=None,
+    k_scales=None,
+    v_scales=None,
+    backend=None,
+    config: PagedAttentionConfig = PagedAttentionConfig(),
+):
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Args:
@@ -371,14 +415,25 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     resolved = resolve_backend(backend, "paged_attention")
     if resolved == "xla":
-        return reference(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, k_scales=k_scales,
-                         v_scales=v_scales).astype(q.dtype)
+        return reference(
+            q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales
+        ).astype(q.dtype)
     if resolved == "mosaic_gpu":
         raise ValueError("paged_attention: no mosaic_gpu kernel yet; use backend='triton'")
     if not _is_pow2(q.shape[-1]) or q.shape[-1] < 16:
         raise ValueError(f"paged_attention: the Pallas kernel needs a power-of-2 head_dim >= 16, got {q.shape[-1]}")
-    return _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm_scale=sm_scale,
-                         config=config, interpret=resolved == "interpret")
+    return _paged_pallas(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        lengths,
+        k_scales,
+        v_scales,
+        sm_scale=sm_scale,
+        config=config,
+        interpret=resolved == "interpret",
+    )
 
 
 def dequantize_pages(pages, scales):
@@ -387,8 +442,7 @@ def dequantize_pages(pages, scales):
     return pages if scales is None else pages * scales[..., None]
 
 
-def reference(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, k_scales=None, v_scales=None,
-              backend=None):
+def reference(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, k_scales=None, v_scales=None, backend=None):
     """Plain-jnp float32 decode attention gathering whole page lists; same contract as `paged_attention`."""
     del backend
     batch, q_heads, head_dim = q.shape

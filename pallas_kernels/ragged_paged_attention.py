@@ -39,8 +39,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backend import out_struct, resolve_backend
 from pallas_kernels.paged_attention import (
-    MASK_VALUE,
     LOG2E,
+    MASK_VALUE,
     _is_pow2,
     _next_pow2,
     attend_block,
@@ -51,7 +51,6 @@ from pallas_kernels.paged_attention import (
     load_kv_block,
     validate_pages,
 )
-
 
 SCHEDULES = ("interleave", "prefill_first")
 
@@ -90,8 +89,9 @@ class RaggedConfig:
             raise ValueError(f"small_q_rows must be 0 or a power of 2 >= 16, got {self.small_q_rows}")
         if not _is_pow2(self.block_tokens) or self.block_tokens < 16:
             raise ValueError(f"block_tokens must be a power of 2 >= 16, got {self.block_tokens}")
-        if self.small_block_tokens is not None and (not _is_pow2(self.small_block_tokens)
-                                                    or self.small_block_tokens < 16):
+        if self.small_block_tokens is not None and (
+            not _is_pow2(self.small_block_tokens) or self.small_block_tokens < 16
+        ):
             raise ValueError(f"small_block_tokens must be None or a power of 2 >= 16, got {self.small_block_tokens}")
         check_triton_params(self.num_warps, self.num_stages)
         if self.schedule not in SCHEDULES:
@@ -99,8 +99,10 @@ class RaggedConfig:
 
     def pages_per_block(self, page_size: int) -> tuple[int, int]:
         """(pages per step of a prefill tile, pages per step of a small tile)."""
-        return (max(1, self.block_tokens // page_size),
-                max(1, (self.small_block_tokens or self.block_tokens) // page_size))
+        return (
+            max(1, self.block_tokens // page_size),
+            max(1, (self.small_block_tokens or self.block_tokens) // page_size),
+        )
 
     def tokens_per_tile(self, group_rows: int) -> tuple[int, int]:
         """(tokens per prefill tile, tokens per small tile; 0 when small tiles are off)."""
@@ -115,8 +117,9 @@ class RaggedConfig:
 NO_TILE, PREFILL_TILE, SMALL_TILE = 0, 1, 2
 
 
-def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_tiles: int,
-                  schedule: str = "prefill_first"):
+def tile_metadata(
+    cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_tiles: int, schedule: str = "prefill_first"
+):
     """Work list of query tiles: entry w -> (kind, sequence, first flat token).
 
     A live sequence with 0 < q_len <= small_block_q gets one small tile (decode, speculative verify);
@@ -164,8 +167,10 @@ def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_
     at_big = jnp.where(i < total_big, at_big, max_tiles)  # out of range: dropped by the scatter
     at_small = jnp.where(i < total_small, at_small, max_tiles)
     tiles = jnp.zeros((3, max_tiles), jnp.int32)
-    for at, kind, seq, q0 in ((at_big, PREFILL_TILE, seq_big, q0_big),
-                              (at_small, SMALL_TILE, seq_small, cu_q_lens[seq_small])):
+    for at, kind, seq, q0 in (
+        (at_big, PREFILL_TILE, seq_big, q0_big),
+        (at_small, SMALL_TILE, seq_small, cu_q_lens[seq_small]),
+    ):
         tiles = tiles.at[:, at].set(jnp.stack([jnp.full_like(seq, kind), seq, q0]).astype(jnp.int32), mode="drop")
     return tiles
 
@@ -173,9 +178,26 @@ def tile_metadata(cu_q_lens, num_seqs, *, block_q: int, small_block_q: int, max_
 # ---------------------------------------------------------------------------------------------------------
 # Kernel body.
 # ---------------------------------------------------------------------------------------------------------
-def _attend_tile(seq, q0, cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
-                 k_scales_ref, v_scales_ref, o_ref, *, block_q, group_rows, scale_log2, page_size,
-                 pages_per_block, compute_dtype):
+def _attend_tile(
+    seq,
+    q0,
+    cu_q_lens_ref,
+    kv_lens_ref,
+    block_tables_ref,
+    q_ref,
+    k_pages_ref,
+    v_pages_ref,
+    k_scales_ref,
+    v_scales_ref,
+    o_ref,
+    *,
+    block_q,
+    group_rows,
+    scale_log2,
+    page_size,
+    pages_per_block,
+    compute_dtype,
+):
     """Causal attention of tokens q0 .. q0+block_q-1 of sequence `seq` (rows past its end are not stored)."""
     q_begin, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
     first_pos = kv_lens_ref[seq] - (q_end - q_begin)  # position of the sequence's first query token
@@ -226,21 +248,33 @@ def _ragged_kernel(
 ):
     w = pl.program_id(1)
     kind, seq, q0 = tiles_ref[0, w], tiles_ref[1, w], tiles_ref[2, w]
-    refs = (cu_q_lens_ref, kv_lens_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, k_scales_ref,
-            v_scales_ref, o_ref)
+    refs = (
+        cu_q_lens_ref,
+        kv_lens_ref,
+        block_tables_ref,
+        q_ref,
+        k_pages_ref,
+        v_pages_ref,
+        k_scales_ref,
+        v_scales_ref,
+        o_ref,
+    )
     big_pages, small_pages = pages_per_block
     pl.when(kind == PREFILL_TILE)(
-        lambda: _attend_tile(seq, q0, *refs, block_q=block_q, pages_per_block=big_pages, **static))
+        lambda: _attend_tile(seq, q0, *refs, block_q=block_q, pages_per_block=big_pages, **static)
+    )
     if small_block_q:  # one branch per tile size: a decode row does not pay for a prefill-sized tile
         pl.when(kind == SMALL_TILE)(
-            lambda: _attend_tile(seq, q0, *refs, block_q=small_block_q, pages_per_block=small_pages, **static))
+            lambda: _attend_tile(seq, q0, *refs, block_q=small_block_q, pages_per_block=small_pages, **static)
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # pallas_call builder.
 # ---------------------------------------------------------------------------------------------------------
-def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales, *,
-                   sm_scale, config, interpret):
+def _ragged_pallas(
+    q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales, *, sm_scale, config, interpret
+):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -257,12 +291,20 @@ def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_se
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(compute_dtype_for(q.dtype, k_pages.dtype))
     q4 = jnp.pad(q4, ((0, padded_tokens - num_tokens), (0, 0), (0, group_rows - group), (0, 0)))
     q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group_rows, head_dim)
-    tiles = tile_metadata(cu_q_lens, num_seqs, block_q=block_q, small_block_q=small_block_q, max_tiles=max_tiles,
-                          schedule=config.schedule)
+    tiles = tile_metadata(
+        cu_q_lens, num_seqs, block_q=block_q, small_block_q=small_block_q, max_tiles=max_tiles, schedule=config.schedule
+    )
 
     kernel = functools.partial(
-        _ragged_kernel, block_q=block_q, small_block_q=small_block_q, scale_log2=sm_scale * LOG2E,
-        page_size=page_size, pages_per_block=pages_per_block, group_rows=group_rows, compute_dtype=q_rows.dtype)
+        _ragged_kernel,
+        block_q=block_q,
+        small_block_q=small_block_q,
+        scale_log2=sm_scale * LOG2E,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        group_rows=group_rows,
+        compute_dtype=q_rows.dtype,
+    )
     # Grid (Hkv, W): heads vary fastest, so entries launch in work-list order and the heads of one entry,
     # which read the same block tables, run side by side.
     whole = lambda shape: pl.BlockSpec(shape, lambda h, w: (0,) * len(shape))  # noqa: E731
@@ -271,9 +313,15 @@ def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_se
     page_spec = pl.BlockSpec((None, slots, head_dim), lambda h, w: (h, 0, 0))
     scale_spec = pl.BlockSpec((None, slots), lambda h, w: (h, 0))
     in_specs = [
-        whole((3, max_tiles)), whole(cu_q_lens.shape), whole(kv_lens.shape),
-        whole(block_tables.shape), row_spec, page_spec, page_spec,
-        None if k_scales is None else scale_spec, None if v_scales is None else scale_spec,
+        whole((3, max_tiles)),
+        whole(cu_q_lens.shape),
+        whole(kv_lens.shape),
+        whole(block_tables.shape),
+        row_spec,
+        page_spec,
+        page_spec,
+        None if k_scales is None else scale_spec,
+        None if v_scales is None else scale_spec,
     ]
     o_rows = pl.pallas_call(
         kernel,
@@ -284,8 +332,7 @@ def _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_se
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"ragged_paged_ps{page_size}_m{rows}_bt{config.block_tokens}_{pages_per_block[1]}_{config.schedule}",
-    )(tiles, cu_q_lens, kv_lens, block_tables, q_rows,
-      *flatten_pages(k_pages, v_pages, k_scales, v_scales))
+    )(tiles, cu_q_lens, kv_lens, block_tables, q_rows, *flatten_pages(k_pages, v_pages, k_scales, v_scales))
 
     o = o_rows.reshape(num_kv_heads, padded_tokens, group_rows, head_dim)[:, :num_tokens, :group]
     o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
@@ -304,22 +351,36 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k
         raise ValueError(f"{name}: q dtype must be bf16/f16/f32, got {q.dtype}")
     validate_pages(name, q.shape[1], q.shape[2], k_pages, v_pages, k_scales, v_scales)
     if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
-        raise ValueError(f"{name}: block_tables must be int32 [S, max_blocks], got {block_tables.shape} "
-                         f"{block_tables.dtype}")
+        raise ValueError(
+            f"{name}: block_tables must be int32 [S, max_blocks], got {block_tables.shape} {block_tables.dtype}"
+        )
     num_slots = block_tables.shape[0]
     if kv_lens.shape != (num_slots,) or kv_lens.dtype != jnp.int32:
         raise ValueError(f"{name}: kv_lens must be int32 [{num_slots}], got {kv_lens.shape} {kv_lens.dtype}")
     if cu_q_lens.shape != (num_slots + 1,) or cu_q_lens.dtype != jnp.int32:
-        raise ValueError(f"{name}: cu_q_lens must be int32 [{num_slots + 1}], got {cu_q_lens.shape} "
-                         f"{cu_q_lens.dtype}")
+        raise ValueError(f"{name}: cu_q_lens must be int32 [{num_slots + 1}], got {cu_q_lens.shape} {cu_q_lens.dtype}")
     if jnp.shape(num_seqs) not in ((), (1,)) or jnp.result_type(num_seqs) != jnp.int32:
-        raise ValueError(f"{name}: num_seqs must be an int32 scalar, got {jnp.shape(num_seqs)} "
-                         f"{jnp.result_type(num_seqs)}")
+        raise ValueError(
+            f"{name}: num_seqs must be an int32 scalar, got {jnp.shape(num_seqs)} {jnp.result_type(num_seqs)}"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config"))
-def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, sm_scale=None,
-                           k_scales=None, v_scales=None, backend=None, config: RaggedConfig = RaggedConfig()):
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale=None,
+    k_scales=None,
+    v_scales=None,
+    backend=None,
+    config: RaggedConfig = RaggedConfig(),
+):
     """Causal attention of a flat, ragged batch of query tokens over a paged KV cache.
 
     Args:
@@ -342,19 +403,55 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     resolved = resolve_backend(backend, "ragged_paged_attention")
     if resolved == "xla":
-        return reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                         k_scales=k_scales, v_scales=v_scales).astype(q.dtype)
+        return reference(
+            q,
+            k_pages,
+            v_pages,
+            block_tables,
+            kv_lens,
+            cu_q_lens,
+            num_seqs,
+            sm_scale=sm_scale,
+            k_scales=k_scales,
+            v_scales=v_scales,
+        ).astype(q.dtype)
     if resolved == "mosaic_gpu":
         raise ValueError("ragged_paged_attention: no mosaic_gpu kernel yet; use backend='triton'")
     if not _is_pow2(q.shape[-1]) or q.shape[-1] < 16:
-        raise ValueError(f"ragged_paged_attention: the Pallas kernel needs a power-of-2 head_dim >= 16, got "
-                         f"{q.shape[-1]}")
-    return _ragged_pallas(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales,
-                          sm_scale=sm_scale, config=config, interpret=resolved == "interpret")
+        raise ValueError(
+            f"ragged_paged_attention: the Pallas kernel needs a power-of-2 head_dim >= 16, got {q.shape[-1]}"
+        )
+    return _ragged_pallas(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        cu_q_lens,
+        num_seqs,
+        k_scales,
+        v_scales,
+        sm_scale=sm_scale,
+        config=config,
+        interpret=resolved == "interpret",
+    )
 
 
-def reference(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, sm_scale=None, k_scales=None,
-              v_scales=None, backend=None, token_chunk: int = 64):
+def reference(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale=None,
+    k_scales=None,
+    v_scales=None,
+    backend=None,
+    token_chunk: int = 64,
+):
     """Plain-jnp float32 ragged attention; gathers each token's page list, `token_chunk` tokens at a time."""
     del backend
     num_tokens, q_heads, head_dim = q.shape

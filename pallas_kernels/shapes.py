@@ -52,8 +52,11 @@ class AttentionShape:
         """Random normal (q, k, v) in `dtype`; fresh draws per seed (never zeros: they hide unwritten tiles)."""
         kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
         dtype = jnp.dtype(self.dtype)
-        return (jax.random.normal(kq, self.q_shape, dtype), jax.random.normal(kk, self.kv_shape, dtype),
-                jax.random.normal(kv, self.kv_shape, dtype))
+        return (
+            jax.random.normal(kq, self.q_shape, dtype),
+            jax.random.normal(kk, self.kv_shape, dtype),
+            jax.random.normal(kv, self.kv_shape, dtype),
+        )
 
 
 def _bench(name: str, batch: int, seq: int, causal: bool) -> AttentionShape:

@@ -22,7 +22,7 @@ from serving.progress import Progress
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "GGUF file, HF safetensors dir or Orbax dir (default: SmolLM2-135M-Instruct)")
 flags.DEFINE_multi_string("prompt", [], "prompt text (repeatable)")
-flags.DEFINE_string("prompts_file", None, "JSONL file: one {\"prompt\": str} or {\"messages\": [...]} per line")
+flags.DEFINE_string("prompts_file", None, 'JSONL file: one {"prompt": str} or {"messages": [...]} per line')
 flags.DEFINE_integer("max_tokens", 64, "tokens to generate per prompt", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)", lower_bound=0.0)
 flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass", lower_bound=0.0, upper_bound=1.0)
@@ -31,8 +31,12 @@ flags.DEFINE_integer("seed", None, "sampling seed")
 flags.DEFINE_bool("chat", False, "wrap prompts in the model's chat template")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_bool("reference", False, "use the contiguous-cache reference path instead of the paged engine")
-flags.DEFINE_bool("warmup", True, "run the batch once untimed first, so the reported latency and speed exclude "
-                  "compilation (the compile time is printed separately)")
+flags.DEFINE_bool(
+    "warmup",
+    True,
+    "run the batch once untimed first, so the reported latency and speed exclude "
+    "compilation (the compile time is printed separately)",
+)
 
 BUILTIN_PROMPTS = [
     "The three primary colours are",
@@ -65,7 +69,7 @@ def read_prompts_file(path: str) -> list[str | list[dict]]:
         elif isinstance(item, dict) and isinstance(item.get("messages"), list):
             prompts.append(item["messages"])
         else:
-            raise UsageError(f"{path}:{no}: expected a string, {{\"prompt\": str}} or {{\"messages\": [...]}}")
+            raise UsageError(f'{path}:{no}: expected a string, {{"prompt": str}} or {{"messages": [...]}}')
     if not prompts:
         raise UsageError(f"{path}: no prompts")
     return prompts
@@ -79,7 +83,7 @@ def run(argv) -> int:
         prompts += read_prompts_file(FLAGS.prompts_file)
     prompts = prompts or list(BUILTIN_PROMPTS)
 
-    from serving.llm import LLM
+    from serving.engine.llm import LLM
 
     llm = LLM(FLAGS.model, dtype=FLAGS.dtype)
     print(f"loaded {llm.config.name} in {llm.load_seconds:.1f}s", file=sys.stderr)
@@ -88,10 +92,17 @@ def run(argv) -> int:
     def generate(label: str):
         progress = Progress(label) if FLAGS.prompts_file else None
         try:
-            return llm.generate(texts, max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
-                                top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=FLAGS.seed,
-                                chat=FLAGS.chat and not FLAGS.prompts_file, use_reference=FLAGS.reference,
-                                progress=progress)
+            return llm.generate(
+                texts,
+                max_tokens=FLAGS.max_tokens,
+                temperature=FLAGS.temperature,
+                top_p=FLAGS.top_p,
+                top_k=FLAGS.top_k,
+                seed=FLAGS.seed,
+                chat=FLAGS.chat and not FLAGS.prompts_file,
+                use_reference=FLAGS.reference,
+                progress=progress,
+            )
         finally:
             if progress is not None:
                 progress.close()
@@ -111,7 +122,9 @@ def run(argv) -> int:
         print(f"prompt: {prompt!r}")
         print(f"completion ({len(out.token_ids)} tokens, {out.finish_reason}): {out.text}")
         if "ttft_s" in m:
-            print(f"time to first token {m['ttft_s'] * 1000:.0f} ms, decode {m.get('decode_tokens_per_s', 0):.1f} tok/s")
+            print(
+                f"time to first token {m['ttft_s'] * 1000:.0f} ms, decode {m.get('decode_tokens_per_s', 0):.1f} tok/s"
+            )
     print("=" * 80)
     print(f"{len(outs)} prompts, {total} tokens in {wall:.2f}s: {total / wall:.1f} tokens/s overall")
     return 0

@@ -26,8 +26,7 @@ class Progress:
         stats = f"{tokens} tokens, {tokens / max(now - self.t0, 1e-9):.1f} tok/s"
         if self._tqdm is not None:
             if self._bar is None:
-                self._bar = self._tqdm.tqdm(total=total, desc=self.label or "generate", unit="prompt",
-                                            file=sys.stderr)
+                self._bar = self._tqdm.tqdm(total=total, desc=self.label or "generate", unit="prompt", file=sys.stderr)
             self._bar.set_postfix_str(stats, refresh=False)
             self._bar.n = finished
             self._bar.refresh()

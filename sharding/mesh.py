@@ -65,14 +65,20 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
     """
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) != parallel.num_devices:
-        raise ValueError(f"{parallel} needs {parallel.num_devices} devices; {len(devices)} given "
-                         f"(pass devices=jax.devices()[:{parallel.num_devices}] to use a subset)")
-    return jax.make_mesh(parallel.axis_sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+        raise ValueError(
+            f"{parallel} needs {parallel.num_devices} devices; {len(devices)} given "
+            f"(pass devices=jax.devices()[:{parallel.num_devices}] to use a subset)"
+        )
+    return jax.make_mesh(parallel.axis_sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, *, auto_detect: bool = False) -> bool:
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto_detect: bool = False,
+) -> bool:
     """Joins a multi-host job via jax.distributed.initialize; a no-op for a single process.
 
     Call before any other JAX call. Multi-host is signalled by `num_processes > 1`, a coordinator address (argument
@@ -91,10 +97,15 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         return True
     if num_processes == 1:
         return False
-    wanted = (auto_detect or (num_processes or 0) > 1 or coordinator_address is not None
-              or "JAX_COORDINATOR_ADDRESS" in os.environ)
+    wanted = (
+        auto_detect
+        or (num_processes or 0) > 1
+        or coordinator_address is not None
+        or "JAX_COORDINATOR_ADDRESS" in os.environ
+    )
     if not wanted:
         return False
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
     return True

@@ -39,28 +39,28 @@ _RULES = dict(LOGICAL_AXIS_RULES)
 
 # Canonical names outside the layers -> logical axes of their dimensions.
 GLOBAL_PARAM_AXES: dict[str, LogicalAxes] = {
-    "embed": ("vocab", "embed"),           # [V, D]
-    "final_norm": ("embed",),              # [D]
-    "lm_head": ("embed", "vocab"),         # [D, V]
+    "embed": ("vocab", "embed"),  # [V, D]
+    "final_norm": ("embed",),  # [D]
+    "lm_head": ("embed", "vocab"),  # [D, V]
 }
 # Per-layer canonical names ("layers.{i}.<key>") -> logical axes of their dimensions.
 LAYER_PARAM_AXES: dict[str, LogicalAxes] = {
-    "attn_norm": ("embed",),               # [D]
-    "mlp_norm": ("embed",),                # [D]
-    "wq": ("embed", "q_heads"),            # [D, Hq*hd]
-    "wk": ("embed", "kv_heads"),           # [D, Hkv*hd]
-    "wv": ("embed", "kv_heads"),           # [D, Hkv*hd]
-    "wo": ("q_heads", "embed"),            # [Hq*hd, D]
-    "w_gate": ("embed", "mlp"),            # [D, F]
-    "w_up": ("embed", "mlp"),              # [D, F]
-    "w_down": ("mlp", "embed"),            # [F, D]
-    "bq": ("q_heads",),                    # [Hq*hd]
-    "bk": ("kv_heads",),                   # [Hkv*hd]
-    "bv": ("kv_heads",),                   # [Hkv*hd]
+    "attn_norm": ("embed",),  # [D]
+    "mlp_norm": ("embed",),  # [D]
+    "wq": ("embed", "q_heads"),  # [D, Hq*hd]
+    "wk": ("embed", "kv_heads"),  # [D, Hkv*hd]
+    "wv": ("embed", "kv_heads"),  # [D, Hkv*hd]
+    "wo": ("q_heads", "embed"),  # [Hq*hd, D]
+    "w_gate": ("embed", "mlp"),  # [D, F]
+    "w_up": ("embed", "mlp"),  # [D, F]
+    "w_down": ("mlp", "embed"),  # [F, D]
+    "bq": ("q_heads",),  # [Hq*hd]
+    "bk": ("kv_heads",),  # [Hkv*hd]
+    "bv": ("kv_heads",),  # [Hkv*hd]
 }
 
-KV_PAGES_AXES: LogicalAxes = ("kv_heads", None, None, None)   # k/v pages [Hkv, num_pages, page_size, hd]
-KV_SCALES_AXES: LogicalAxes = ("kv_heads", None, None)        # k/v scales [Hkv, num_pages, page_size]
+KV_PAGES_AXES: LogicalAxes = ("kv_heads", None, None, None)  # k/v pages [Hkv, num_pages, page_size, hd]
+KV_SCALES_AXES: LogicalAxes = ("kv_heads", None, None)  # k/v scales [Hkv, num_pages, page_size]
 
 
 def param_logical_axes(name: str, ndim: int | None = None) -> LogicalAxes:
@@ -83,8 +83,9 @@ def param_logical_axes(name: str, ndim: int | None = None) -> LogicalAxes:
     raise ValueError(f"parameter {name!r} has {ndim} dims; expected {len(axes)} (or {len(axes) + 1} stacked)")
 
 
-def logical_partition_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                           units: Mapping[str, int] | None = None) -> PartitionSpec:
+def logical_partition_spec(
+    logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, units: Mapping[str, int] | None = None
+) -> PartitionSpec:
     """Maps logical axes to a PartitionSpec on `mesh` through LOGICAL_AXIS_RULES, replicating what cannot split.
 
     Args:
@@ -109,16 +110,20 @@ def logical_partition_spec(logical_axes: Sequence[str | None], shape: Sequence[i
         axis = _RULES.get(logical)
         unit = units.get(logical, 1)
         # Size-1 mesh axes shard nothing; leaving them out keeps specs equal across mesh shapes.
-        shardable = (axis in sizes and sizes[axis] > 1 and axis not in used and size % unit == 0
-                     and (size // unit) % sizes[axis] == 0)
+        shardable = (
+            axis in sizes
+            and sizes[axis] > 1
+            and axis not in used
+            and size % unit == 0
+            and (size // unit) % sizes[axis] == 0
+        )
         spec.append(axis if shardable else None)
         if shardable:
             used.add(axis)
     return PartitionSpec(*spec)
 
 
-def param_partition_spec(name: str, shape: Sequence[int], mesh: Mesh, *,
-                         head_dim: int | None = None) -> PartitionSpec:
+def param_partition_spec(name: str, shape: Sequence[int], mesh: Mesh, *, head_dim: int | None = None) -> PartitionSpec:
     """PartitionSpec of canonical parameter `name` with `shape` on `mesh`.
 
     Args:
@@ -131,12 +136,14 @@ def param_partition_spec(name: str, shape: Sequence[int], mesh: Mesh, *,
     return logical_partition_spec(param_logical_axes(name, len(shape)), shape, mesh, units)
 
 
-def param_shardings(params_shapes: Mapping[str, Any], mesh: Mesh, *,
-                    head_dim: int | None = None) -> dict[str, NamedSharding]:
+def param_shardings(
+    params_shapes: Mapping[str, Any], mesh: Mesh, *, head_dim: int | None = None
+) -> dict[str, NamedSharding]:
     """NamedSharding for every parameter; values may be arrays, ShapeDtypeStructs or plain shape tuples."""
-    return {name: NamedSharding(mesh, param_partition_spec(name, getattr(x, "shape", x), mesh,
-                                                           head_dim=head_dim))
-            for name, x in params_shapes.items()}
+    return {
+        name: NamedSharding(mesh, param_partition_spec(name, getattr(x, "shape", x), mesh, head_dim=head_dim))
+        for name, x in params_shapes.items()
+    }
 
 
 def shard_params(params: Mapping[str, Any], mesh: Mesh, *, head_dim: int | None = None) -> dict[str, jax.Array]:

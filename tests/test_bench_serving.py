@@ -1,4 +1,4 @@
-"""The serving benchmark (serving/bench.py --mode serving, serving/bench_serving.py) against a live server, and the
+"""The serving benchmark (benchmarks/bench.py --mode serving, benchmarks/bench_serving.py) against a live server, and the
 progress callback of LLM.generate.
 
 One server subprocess (the real binary on a loopback port) serves the whole module; its engine options are small
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from serving import bench_serving as bs
-from serving import local_server
+from benchmarks import bench_serving as bs
+from benchmarks import local_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pallas-serve", "xla-tests")
@@ -48,8 +48,14 @@ def server(tmp_path_factory):
 
 def _check_consistent(r: dict) -> None:
     """Every metric is present and the counts and times agree with each other."""
-    for key in ("request_throughput", "output_throughput", "total_token_throughput", "duration_s",
-                "total_input_tokens", "total_output_tokens"):
+    for key in (
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "duration_s",
+        "total_input_tokens",
+        "total_output_tokens",
+    ):
         assert r[key] is not None, key
     for name in METRICS:
         assert set(r[name]) == {"mean", "p50", "p90", "p99", "max"}, name
@@ -71,9 +77,33 @@ def _check_consistent(r: dict) -> None:
 
 def test_binary_fixed_lengths_exact_with_ignore_eos(server, tmp_path):
     """The absl binary against a running server: JSON and PNG written, every metric, exact output lengths."""
-    cmd = [sys.executable, "-m", "serving.bench", "--mode", "serving", "--base_url", server, "--dataset", "fixed",
-           "--input_len", "24", "--output_len", "6", "--num_requests", "12", "--request_rate", "8",
-           "--slo_ttft_ms", "60000", "--slo_tpot_ms", "60000", "--duration_s", "600", "--out_dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench",
+        "--mode",
+        "serving",
+        "--base_url",
+        server,
+        "--dataset",
+        "fixed",
+        "--input_len",
+        "24",
+        "--output_len",
+        "6",
+        "--num_requests",
+        "12",
+        "--request_rate",
+        "8",
+        "--slo_ttft_ms",
+        "60000",
+        "--slo_tpot_ms",
+        "60000",
+        "--duration_s",
+        "600",
+        "--out_dir",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stem = tmp_path / "serving_smollm2_135m_instruct"
@@ -93,8 +123,12 @@ def test_binary_fixed_lengths_exact_with_ignore_eos(server, tmp_path):
 
 def test_jsonl_workload_under_max_concurrency(server, tmp_path):
     """Text prompts from JSONL with per-line max_tokens; never more than max_concurrency requests in flight."""
-    lines = [{"prompt": "The capital of France is", "max_tokens": 5}, {"prompt": "def fibonacci(n):"},
-             {"prompt": "Three primary colours are", "max_tokens": 3}, {"prompt": "Once upon a time", "max_tokens": 7}]
+    lines = [
+        {"prompt": "The capital of France is", "max_tokens": 5},
+        {"prompt": "def fibonacci(n):"},
+        {"prompt": "Three primary colours are", "max_tokens": 3},
+        {"prompt": "Once upon a time", "max_tokens": 7},
+    ]
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     requests = bs.read_jsonl(str(path), 10, default_max_tokens=4)
@@ -118,8 +152,11 @@ def test_duration_cap_cuts_and_counts_add_up(server):
     assert r["cut_by_duration"] >= 1
     # The cut streams were closed by the client, so the server aborts them and frees their KV blocks.
     deadline = time.monotonic() + 120
-    while (m := local_server.read_metrics(server))["pallas_serve_running_sequences"] or \
-            m["pallas_serve_queue_length"] or m["pallas_serve_kv_blocks_in_requests"]:
+    while (
+        (m := local_server.read_metrics(server))["pallas_serve_running_sequences"]
+        or m["pallas_serve_queue_length"]
+        or m["pallas_serve_kv_blocks_in_requests"]
+    ):
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
     assert r["duration_s"] < 10
@@ -132,12 +169,18 @@ def test_refuses_non_loopback_urls():
     for url in ("http://192.0.2.1:8000", "http://example.com", "http://127.0.0.2:80", "ftp://127.0.0.1", "x"):
         with pytest.raises(ValueError, match="refusing|not an http"):
             bs.ServingBenchConfig(url, 1)
-    proc = subprocess.run([sys.executable, "-m", "serving.bench", "--mode", "serving", "--base_url",
-                           "http://192.0.2.1:8000"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", "--mode", "serving", "--base_url", "http://192.0.2.1:8000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: refusing 'http://192.0.2.1:8000': only a server on this machine's loopback interface "
-        "(127.0.0.1, localhost, ::1) may be benchmarked, not host '192.0.2.1'"]
+        "(127.0.0.1, localhost, ::1) may be benchmarked, not host '192.0.2.1'"
+    ]
 
 
 def test_workloads_and_bad_jsonl(tmp_path):
@@ -149,9 +192,12 @@ def test_workloads_and_bad_jsonl(tmp_path):
     assert all(bs.TOKEN_ID_RANGE[0] <= t < bs.TOKEN_ID_RANGE[1] for q in a for t in q.prompt)
     assert {(len(q.prompt), q.max_tokens) for q in bs.fixed_lengths(5, 0, 9, 3)} == {(9, 3)}
     bad = tmp_path / "bad.jsonl"
-    for text, needle in (('{"prompt": "a"}\n{"prompt": 3}\n', "bad.jsonl:2: expected"),
-                         ('{"prompt": "a", "max_tokens": 0}\n', "bad.jsonl:1: max_tokens"),
-                         ("{nope\n", "bad.jsonl:1: not valid JSON"), ("\n", "no requests")):
+    for text, needle in (
+        ('{"prompt": "a"}\n{"prompt": 3}\n', "bad.jsonl:2: expected"),
+        ('{"prompt": "a", "max_tokens": 0}\n', "bad.jsonl:1: max_tokens"),
+        ("{nope\n", "bad.jsonl:1: not valid JSON"),
+        ("\n", "no requests"),
+    ):
         bad.write_text(text)
         with pytest.raises(ValueError, match=needle):
             bs.read_jsonl(str(bad), 10, 4)
@@ -159,12 +205,25 @@ def test_workloads_and_bad_jsonl(tmp_path):
 
 def test_summarize_goodput_and_cut_requests():
     """Exact figures from made-up results: TPOT excludes the first token, goodput needs both SLOs."""
-    def res(ttft, latency, n, gaps=(), asked=None):
-        return bs.RequestResult(asked or n, ok=True, ttft_s=ttft, latency_s=latency, prompt_tokens=10, output_tokens=n,
-                                chunk_gaps_s=list(gaps))
 
-    results = [res(0.1, 1.1, 11, [0.1] * 10), res(0.5, 0.7, 3, [0.1, 0.1]), res(0.2, 0.2, 1, asked=4),
-               bs.RequestResult(4, error="HTTP 503"), bs.RequestResult(4, cut=True)]
+    def res(ttft, latency, n, gaps=(), asked=None):
+        return bs.RequestResult(
+            asked or n,
+            ok=True,
+            ttft_s=ttft,
+            latency_s=latency,
+            prompt_tokens=10,
+            output_tokens=n,
+            chunk_gaps_s=list(gaps),
+        )
+
+    results = [
+        res(0.1, 1.1, 11, [0.1] * 10),
+        res(0.5, 0.7, 3, [0.1, 0.1]),
+        res(0.2, 0.2, 1, asked=4),
+        bs.RequestResult(4, error="HTTP 503"),
+        bs.RequestResult(4, cut=True),
+    ]
     cfg = bs.ServingBenchConfig(None, 6, slo_ttft_ms=300, slo_tpot_ms=100)
     r = bs.summarize(cfg, results, wall=2.0, planned=6)
     assert (r["sent"], r["not_sent"], r["completed"], r["failed"], r["cut_by_duration"]) == (5, 1, 3, 1, 1)
@@ -183,15 +242,19 @@ def test_llm_generate_progress_callback(server):
     """Called after every step, monotone, ending at (total, total, all tokens); the generate binary's bar."""
     import jax
 
+    from serving.engine.llm import LLM
     from serving.progress import Progress
-    from serving.llm import LLM
 
     jax.config.update("jax_compilation_cache_dir", CACHE_DIR)  # as the server does
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     llm = LLM(max_model_len=MAX_MODEL_LEN, **ENGINE)
     calls = []
-    outs = llm.generate(["Hello", "The capital of France is", "def f(x):"], max_tokens=5, ignore_eos=True,
-                        progress=lambda *a: calls.append(a))
+    outs = llm.generate(
+        ["Hello", "The capital of France is", "def f(x):"],
+        max_tokens=5,
+        ignore_eos=True,
+        progress=lambda *a: calls.append(a),
+    )
     assert len(calls) >= 5
     assert all(total == 3 for _, total, _ in calls)
     assert all(a[0] <= b[0] and a[2] <= b[2] for a, b in zip(calls, calls[1:]))
@@ -209,4 +272,3 @@ def test_llm_generate_progress_callback(server):
         sys.stderr = stderr
     assert "warm-up: generated 1/3 prompts, 10 tokens" in err.getvalue()
     assert err.getvalue().rstrip().split("\r")[-1].startswith("warm-up: generated 3/3 prompts, 15 tokens")
-

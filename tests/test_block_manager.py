@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
+from serving.core.block_manager import NULL_BLOCK, BlockManager, NoFreeBlocksError
 
 
 def test_null_block_reserved_and_fifo_allocation():

@@ -23,6 +23,7 @@ def test_check_detects_uncovered_and_missing_files():
 
 
 def test_check_command_exit_status():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gen_build.py"), "--check"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "gen_build.py"), "--check"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr

@@ -13,16 +13,22 @@ import jax
 import numpy as np
 import pytest
 
-from serving.engine import LLMEngine
-from serving.reference_generate import generate_reference
-from serving.request import SamplingParams
-from serving.runner import sample_rows
-from serving.scheduler import Scheduler
+from serving.core.request import SamplingParams
+from serving.core.scheduler import Scheduler
+from serving.engine.engine import LLMEngine
+from serving.engine.reference import generate_reference
+from serving.engine.runner import sample_rows
 
 MAX_MODEL_LEN = 128
 DECODE_STEPS = 4
-ENGINE_OPTIONS = dict(attention_backend="xla", max_num_seqs=16, max_num_batched_tokens=32, block_size=16,
-                      num_kv_blocks=128, decode_steps=DECODE_STEPS)
+ENGINE_OPTIONS = dict(
+    attention_backend="xla",
+    max_num_seqs=16,
+    max_num_batched_tokens=32,
+    block_size=16,
+    num_kv_blocks=128,
+    decode_steps=DECODE_STEPS,
+)
 SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50)
 
 
@@ -52,7 +58,7 @@ CHAT_QUESTION = "What is 2+2? Reply with just the number."  # SmolLM2 answers in
 
 @pytest.fixture(scope="module")
 def llm():
-    from serving.llm import LLM
+    from serving.engine.llm import LLM
 
     return LLM(max_model_len=MAX_MODEL_LEN, **ENGINE_OPTIONS)
 
@@ -71,8 +77,11 @@ def chat_prompt(llm) -> list[int]:
 def reference(llm, chat_prompt):
     """(prompt tuple, seed or None) -> reference token ids, for every prompt of the module in one batch."""
     keys, rows, limits = [], [], []
-    for prompts, max_tokens in ((MIXED_PROMPTS, MIXED_MAX_TOKENS), (PREFIX_PROMPTS, PREFIX_MAX_TOKENS),
-                                ([chat_prompt], [24])):
+    for prompts, max_tokens in (
+        (MIXED_PROMPTS, MIXED_MAX_TOKENS),
+        (PREFIX_PROMPTS, PREFIX_MAX_TOKENS),
+        ([chat_prompt], [24]),
+    ):
         for p, m in zip(prompts, max_tokens):
             keys.append((tuple(p), None))
             rows.append(dict(temperature=0.0))
@@ -81,8 +90,9 @@ def reference(llm, chat_prompt):
         keys.append((tuple(p), seed))
         rows.append(dict(SAMPLED, seed=seed))
         limits.append(m)
-    out = generate_reference(llm.model, [list(k[0]) for k in keys], rows, limits, llm.config.eos_token_ids,
-                             MAX_MODEL_LEN)
+    out = generate_reference(
+        llm.model, [list(k[0]) for k in keys], rows, limits, llm.config.eos_token_ids, MAX_MODEL_LEN
+    )
     return dict(zip(keys, out.token_ids))
 
 
@@ -90,9 +100,14 @@ def use_scheduler(engine: LLMEngine, **overrides) -> Scheduler:
     """Gives the engine a fresh scheduler (empty prefix cache, zeroed counters) over the same runner."""
     assert not engine.has_unfinished()
     c = engine.config
-    args = dict(num_blocks=engine.runner.num_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=engine.max_model_len,
-                enable_prefix_caching=c.enable_prefix_caching)
+    args = dict(
+        num_blocks=engine.runner.num_blocks,
+        block_size=c.block_size,
+        max_num_seqs=c.max_num_seqs,
+        max_num_batched_tokens=c.max_num_batched_tokens,
+        max_model_len=engine.max_model_len,
+        enable_prefix_caching=c.enable_prefix_caching,
+    )
     args.update(overrides)
     engine.scheduler = Scheduler(**args)
     return engine.scheduler
@@ -141,6 +156,7 @@ def assert_matches_reference(tracks, prompts, max_tokens, reference):
 
 
 # Greedy exactness ------------------------------------------------------------------------------------------------
+
 
 def test_greedy_mixed_batch_matches_reference(engine, reference):
     use_scheduler(engine, enable_prefix_caching=False)
@@ -200,8 +216,10 @@ def test_greedy_with_chunked_prefill_matches_reference(engine, reference):
     assert chunks, "no prompt was split into chunks"
     assert all(s.num_batched_tokens <= 16 for s in schedules)
     # Decode rows and prefill chunks shared steps.
-    assert any(any(len(sr.token_ids) == 1 for sr in s.scheduled) and any(len(sr.token_ids) > 1 for sr in s.scheduled)
-               for s in schedules)
+    assert any(
+        any(len(sr.token_ids) == 1 for sr in s.scheduled) and any(len(sr.token_ids) > 1 for sr in s.scheduled)
+        for s in schedules
+    )
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -214,6 +232,7 @@ def test_greedy_with_preemption_matches_reference(engine, reference, prefix_cach
 
 # Sampling --------------------------------------------------------------------------------------------------------
 
+
 def _sampled_params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=SAMPLED_MAX_TOKENS[i], seed=SAMPLED_SEEDS[i], **SAMPLED)
 
@@ -224,7 +243,9 @@ def test_seeded_sampling_alone_equals_in_batch_and_reference(engine, reference):
     (alone,) = run(engine, [target])
     others = [(p, greedy(m)) for p, m in zip(MIXED_PROMPTS[:9], MIXED_MAX_TOKENS[:9])]
     others.insert(3, (SAMPLED_PROMPTS[1], _sampled_params(1)))
-    others += [(p, SamplingParams(max_tokens=12, seed=7 + i, temperature=1.0)) for i, p in enumerate(PREFIX_PROMPTS[:4])]
+    others += [
+        (p, SamplingParams(max_tokens=12, seed=7 + i, temperature=1.0)) for i, p in enumerate(PREFIX_PROMPTS[:4])
+    ]
     tracks = run(engine, others[:5] + [target] + others[5:])
     in_batch = tracks[5]
     assert alone.request.output_token_ids == in_batch.request.output_token_ids
@@ -233,6 +254,7 @@ def test_seeded_sampling_alone_equals_in_batch_and_reference(engine, reference):
 
 
 # Abort -----------------------------------------------------------------------------------------------------------
+
 
 def _assert_released(sched: Scheduler, blocks: list[int]) -> None:
     """Blocks an aborted request held are free or held only by the cache and live requests."""
@@ -274,13 +296,14 @@ def test_abort_frees_blocks(engine):
 
 # Stop conditions -------------------------------------------------------------------------------------------------
 
+
 def test_stop_token_ids_and_max_tokens(engine, reference):
     use_scheduler(engine)
     prompt = MIXED_PROMPTS[10]
     ref = reference[(tuple(prompt), None)]
     j = next(j for j in range(6, len(ref)) if ref[j] not in ref[:j])
     stop_tok, budget = run(engine, [(prompt, greedy(24, stop_token_ids=(ref[j],))), (prompt, greedy(5))])
-    assert stop_tok.request.output_token_ids == ref[:j + 1]  # the stop token is in the ids
+    assert stop_tok.request.output_token_ids == ref[: j + 1]  # the stop token is in the ids
     assert stop_tok.request.finish_reason == "stop"
     assert budget.request.output_token_ids == ref[:5] and budget.request.finish_reason == "length"
 
@@ -291,14 +314,14 @@ def test_stop_strings(engine, llm, reference):
     (full,) = run(engine, [(prompt, greedy(32))])
     assert full.request.output_token_ids == reference[(tuple(prompt), None)]
     text = full.text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = text.find(stop)
     assert cut > 0, text
     stopped, never = run(engine, [(prompt, greedy(32, stop=(stop,))), (prompt, greedy(32, stop=("\x00zz",)))])
     assert stopped.request.finish_reason == "stop"
     assert stopped.text == text[:cut]
     ids = stopped.request.output_token_ids
-    assert ids == full.request.output_token_ids[:len(ids)] and len(ids) < len(full.request.output_token_ids)
+    assert ids == full.request.output_token_ids[: len(ids)] and len(ids) < len(full.request.output_token_ids)
     assert stop in llm.tokenizer.decode(ids) and stop not in llm.tokenizer.decode(ids[:-1])
     assert never.text == text and never.request.finish_reason == full.request.finish_reason
 
@@ -309,13 +332,19 @@ def test_min_tokens_and_ignore_eos(engine, reference, chat_prompt):
     eos = engine.eos_token_ids[0]
     j = len(ref) - 1
     assert ref[j] == eos and eos not in ref[:j], ref  # the model answers, then ends
-    plain, min_tok, ignore = run(engine, [(chat_prompt, greedy(24)), (chat_prompt, greedy(24, min_tokens=j + 4)),
-                                          (chat_prompt, greedy(j + 6, ignore_eos=True))])
+    plain, min_tok, ignore = run(
+        engine,
+        [
+            (chat_prompt, greedy(24)),
+            (chat_prompt, greedy(24, min_tokens=j + 4)),
+            (chat_prompt, greedy(j + 6, ignore_eos=True)),
+        ],
+    )
     assert plain.request.output_token_ids == ref and plain.request.finish_reason == "stop"
     out = min_tok.request.output_token_ids
-    assert out[:j] == ref[:j] and eos not in out[:j + 3] and len(out) >= j + 4
+    assert out[:j] == ref[:j] and eos not in out[: j + 3] and len(out) >= j + 4
     out = ignore.request.output_token_ids
-    assert out[:j + 1] == ref and len(out) == j + 6 and ignore.request.finish_reason == "length"
+    assert out[: j + 1] == ref and len(out) == j + 6 and ignore.request.finish_reason == "length"
 
 
 def test_logprobs_match_score(engine, llm):
@@ -331,7 +360,7 @@ def test_logprobs_match_score(engine, llm):
     for rid in rids:
         out = engine.pop_finished(rid).request.output_token_ids
         assert len(entries[rid]) == len(out) == 6
-        logits = llm.score(prompt + out[:-1])[len(prompt) - 1:]  # [6, V]: the distributions each token came from
+        logits = llm.score(prompt + out[:-1])[len(prompt) - 1 :]  # [6, V]: the distributions each token came from
         logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
         for i, (tok, (lp, top)) in enumerate(zip(out, entries[rid])):
             assert len(top) == 5
@@ -344,6 +373,7 @@ def test_logprobs_match_score(engine, llm):
 
 
 # Compilation -----------------------------------------------------------------------------------------------------
+
 
 def _mixed_workload(seed: int) -> list[tuple[list[int], SamplingParams]]:
     rng = np.random.default_rng(seed)
@@ -377,7 +407,6 @@ def test_no_recompilation_while_serving(engine):
     assert runner.num_compiles == compiled
 
 
-
 def test_warmup_compiles_steps_and_sampler(engine):
     """After LLMEngine.warmup nothing compiles for greedy and sampled requests: step buckets and the sampler of
     every row bucket (runner executables and the jitted sampler's cache stay the same size)."""
@@ -385,8 +414,13 @@ def test_warmup_compiles_steps_and_sampler(engine):
     compiled, sampler = engine.runner.num_compiles, sample_rows._cache_size()
     use_scheduler(engine)
     prompts = _random_prompts(21, [5, 40, 3, 17, 60, 9])
-    run(engine, [(p, greedy(6) if i % 2 else SamplingParams(max_tokens=7, temperature=0.8, top_p=0.9, seed=i))
-                 for i, p in enumerate(prompts)])
+    run(
+        engine,
+        [
+            (p, greedy(6) if i % 2 else SamplingParams(max_tokens=7, temperature=0.8, top_p=0.9, seed=i))
+            for i, p in enumerate(prompts)
+        ],
+    )
     assert engine.runner.num_compiles == compiled
     assert sample_rows._cache_size() == sampler
 
@@ -395,18 +429,29 @@ def test_min_tokens_with_too_many_stop_ids_is_rejected(engine):
     with pytest.raises(ValueError, match="at most 8 ids"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=tuple(range(10, 20))))
     assert not engine.has_unfinished()
-    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True,
-                                                 stop_token_ids=tuple(range(10, 18))))  # exactly 8: accepted
+    engine.add_request(
+        [1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True, stop_token_ids=tuple(range(10, 18)))
+    )  # exactly 8: accepted
     while engine.has_unfinished():
         engine.step()
 
 
 # Pallas kernels --------------------------------------------------------------------------------------------------
 
+
 def test_interpret_kernels_match_reference(llm, reference):
     """The engine through our Pallas kernels (interpret mode) on a short run."""
-    eng = LLMEngine(llm.model, llm.tokenizer, max_model_len=64, attention_backend="interpret", max_num_seqs=2,
-                    max_num_batched_tokens=16, num_kv_blocks=12, decode_steps=1, enable_prefix_caching=False)
+    eng = LLMEngine(
+        llm.model,
+        llm.tokenizer,
+        max_model_len=64,
+        attention_backend="interpret",
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        num_kv_blocks=12,
+        decode_steps=1,
+        enable_prefix_caching=False,
+    )
     prompts = [MIXED_PROMPTS[2], MIXED_PROMPTS[1]]  # 7 and 3 tokens: one mixed step, then paged decode
     tracks = run(eng, [(p, greedy(4)) for p in prompts])
     for t, p in zip(tracks, prompts):

@@ -19,8 +19,9 @@ from pallas_kernels.flash_attention import BlockSizes, flash_attention, referenc
 from pallas_kernels.flash_attention_common import KernelStatic
 
 # Small tiles so short test sequences still span several query and key blocks (diagonal + full + tail).
-SMALL_TILES = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=32, block_k_dkv=16,
-                         num_warps=4, num_stages=2)
+SMALL_TILES = BlockSizes(
+    block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=32, block_k_dkv=16, num_warps=4, num_stages=2
+)
 
 
 def _has_gpu() -> bool:
@@ -34,8 +35,12 @@ def _rel_err(x, ref) -> float:
 
 def _inputs(q_shape, kv_shape, dtype, seed):
     kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-    return (jax.random.normal(kq, q_shape, dtype), jax.random.normal(kk, kv_shape, dtype),
-            jax.random.normal(kv, kv_shape, dtype), jax.random.normal(kd, q_shape, jnp.float32))
+    return (
+        jax.random.normal(kq, q_shape, dtype),
+        jax.random.normal(kk, kv_shape, dtype),
+        jax.random.normal(kv, kv_shape, dtype),
+        jax.random.normal(kd, q_shape, jnp.float32),
+    )
 
 
 class FlashAttentionTestBase:
@@ -47,8 +52,9 @@ class FlashAttentionTestBase:
     def _check_forward(self, shape: shapes.AttentionShape, dtype=jnp.float32, seed=0, tol=None, **kw):
         q, k, v, _ = _inputs(shape.q_shape, shape.kv_shape, dtype, seed)
         o, lse = flash_attention(q, k, v, backend=self.backend, return_lse=True, **kw)
-        ref_o, ref_lse = reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                                   return_lse=True, **kw)
+        ref_o, ref_lse = reference(
+            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), return_lse=True, **kw
+        )
         assert o.shape == q.shape and o.dtype == q.dtype
         assert lse.shape == (shape.batch, shape.num_q_heads, shape.q_len)
         finite_rows = np.isfinite(np.asarray(ref_lse))
@@ -59,8 +65,9 @@ class FlashAttentionTestBase:
         # Row by row, so one bad row cannot hide inside a global norm.
         row_err = np.abs(np.asarray(o, np.float32) - np.asarray(ref_o)).max(axis=-1)
         assert row_err.max() < (50 * tol if dtype == jnp.float32 else 0.1), row_err.max()
-        np.testing.assert_allclose(np.where(finite_rows, lse, 0), np.where(finite_rows, ref_lse, 0),
-                                   atol=50 * tol, rtol=0)
+        np.testing.assert_allclose(
+            np.where(finite_rows, lse, 0), np.where(finite_rows, ref_lse, 0), atol=50 * tol, rtol=0
+        )
         return o
 
     def _check_grads(self, shape: shapes.AttentionShape, seed=0, with_lse=False, **kw):
@@ -73,8 +80,9 @@ class FlashAttentionTestBase:
             o, lse = fn(q, k, v, return_lse=True, **kw)
             return jnp.sum(o * do) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse)
 
-        ours = jax.grad(lambda *a: loss(lambda *b, **c: flash_attention(*b, backend=self.backend, **c), *a),
-                        argnums=(0, 1, 2))(q, k, v)
+        ours = jax.grad(
+            lambda *a: loss(lambda *b, **c: flash_attention(*b, backend=self.backend, **c), *a), argnums=(0, 1, 2)
+        )(q, k, v)
         ref = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2))(q, k, v)
         for name, g, r in zip("qkv", ours, ref):
             assert np.isfinite(np.asarray(g)).all(), f"d{name} not finite"
@@ -117,8 +125,7 @@ class FlashAttentionTestBase:
         assert np.all(np.asarray(o)[:, 30:] == 0.0)
 
     def test_sliding_window_skips_blocks(self):
-        self._check_forward(shapes.BY_NAME["len513_gqa4"], causal=True, sliding_window=100,
-                            block_sizes=SMALL_TILES)
+        self._check_forward(shapes.BY_NAME["len513_gqa4"], causal=True, sliding_window=100, block_sizes=SMALL_TILES)
 
     def test_soft_cap(self):
         self._check_forward(shapes.BY_NAME["len127_mha"], causal=True, logits_soft_cap=3.0, sm_scale=0.5)
@@ -134,16 +141,36 @@ class FlashAttentionTestBase:
     def test_grads_window_cap_segments_lse(self):
         shape = shapes.BY_NAME["len127_mha"]
         seg = jnp.asarray(np.repeat([[0, 1]], [70, 57], axis=1), jnp.int32)
-        self._check_grads(shape, with_lse=True, causal=True, sliding_window=33, logits_soft_cap=4.0,
-                          segment_ids=seg, block_sizes=SMALL_TILES)
+        self._check_grads(
+            shape,
+            with_lse=True,
+            causal=True,
+            sliding_window=33,
+            logits_soft_cap=4.0,
+            segment_ids=seg,
+            block_sizes=SMALL_TILES,
+        )
 
     def test_grads_non_causal(self):
         self._check_grads(shapes.BY_NAME["len3_gqa3"], causal=False)
 
     # ---- validation ----
 
-    @pytest.mark.parametrize("case", ["rank", "kv_mismatch", "heads", "dtype", "head_dim", "segments",
-                                      "window_non_causal", "q_offset", "cap", "backend"])
+    @pytest.mark.parametrize(
+        "case",
+        [
+            "rank",
+            "kv_mismatch",
+            "heads",
+            "dtype",
+            "head_dim",
+            "segments",
+            "window_non_causal",
+            "q_offset",
+            "cap",
+            "backend",
+        ],
+    )
     def test_value_errors(self, case):
         q = jnp.zeros((1, 8, 4, 64), jnp.float32)
         k = v = jnp.zeros((1, 8, 2, 64), jnp.float32)
@@ -190,7 +217,6 @@ class TestInterpret(FlashAttentionTestBase):
         np.testing.assert_allclose(flash_attention(q, k, v, backend=backend), reference(q, k, v), atol=1e-6)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
 class TestGpuTriton(FlashAttentionTestBase):
@@ -228,10 +254,12 @@ class TestGpuMosaic(TestGpuTriton):
     def test_mosaic_forward_bf16_grads(self):
         shape = shapes.AttentionShape("g", 1, 300, 300, 4, 2, 128)
         q, k, v, do = _inputs(shape.q_shape, shape.kv_shape, jnp.bfloat16, 0)
-        ours = jax.grad(lambda *a: jnp.sum(flash_attention(*a, backend=self.backend).astype(jnp.float32) * do),
-                        argnums=(0, 1, 2))(q, k, v)
+        ours = jax.grad(
+            lambda *a: jnp.sum(flash_attention(*a, backend=self.backend).astype(jnp.float32) * do), argnums=(0, 1, 2)
+        )(q, k, v)
         ref = jax.grad(lambda *a: jnp.sum(reference(*a).astype(jnp.float32) * do), argnums=(0, 1, 2))(
-            *(x.astype(jnp.float32) for x in (q, k, v)))
+            *(x.astype(jnp.float32) for x in (q, k, v))
+        )
         for g, r in zip(ours, ref):
             assert _rel_err(g, r) < 2e-2
 
@@ -254,31 +282,48 @@ MGPU_BWD_CASES = {  # name: (B, Tq, Tk, Hq, Hkv, causal, q_offset)
 
 
 def _mgpu_static(q_len, kv_len, causal, q_off):
-    return KernelStatic(causal=causal, sm_scale=1 / math.sqrt(128), sliding_window=None, logits_soft_cap=None,
-                        q_len=q_len, kv_len=kv_len, has_segments=False, blocks=BlockSizes(), interpret=False,
-                        static_q_offset=q_off)
+    return KernelStatic(
+        causal=causal,
+        sm_scale=1 / math.sqrt(128),
+        sliding_window=None,
+        logits_soft_cap=None,
+        q_len=q_len,
+        kv_len=kv_len,
+        has_segments=False,
+        blocks=BlockSizes(),
+        interpret=False,
+        static_q_offset=q_off,
+    )
 
 
-@pytest.mark.parametrize("q_len,kv_len,causal,q_off", [(300, 300, True, 0), (1023, 1023, False, 0),
-                                                       (200, 1000, True, 800), (64, 384, True, 100),
-                                                       (513, 130, True, 0)])
+@pytest.mark.parametrize(
+    "q_len,kv_len,causal,q_off",
+    [(300, 300, True, 0), (1023, 1023, False, 0), (200, 1000, True, 800), (64, 384, True, 100), (513, 130, True, 0)],
+)
 def test_mgpu_bwd_block_ranges(q_len, kv_len, causal, q_off):
     """dk/dv kernel: every visible (query, key) pair lies in a visited block; unmasked ones are all visible."""
     bq, bk = flash_attention_mgpu_bwd.BLOCK, flash_attention_mgpu_bwd.KV_PER_CTA  # dk/dv kernel tiles
     tk_pad = -(-kv_len // bk) * bk
-    dims = flash_attention_mgpu_bwd._Dims(head_dim=128, group=1, steps=2, num_q_blocks=-(-q_len // bq),
-                                          q_off=q_off if causal else 0, causal=causal, kv_len=kv_len,
-                                          dtype=jnp.bfloat16)
+    dims = flash_attention_mgpu_bwd._Dims(
+        head_dim=128,
+        group=1,
+        steps=2,
+        num_q_blocks=-(-q_len // bq),
+        q_off=q_off if causal else 0,
+        causal=causal,
+        kv_len=kv_len,
+        dtype=jnp.bfloat16,
+    )
     qpos = (q_off if causal else 0) + np.arange(q_len)[:, None]
     kpos = np.arange(tk_pad)[None, :]
     seen = (kpos < kv_len) & ((kpos <= qpos) if causal else True)
     for tile in range(tk_pad // bk):
         lo, full_lo, hi = (int(x) for x in flash_attention_mgpu_bwd._block_range(jnp.int32(tile * bk), dims))
         assert 0 <= lo <= full_lo <= hi == -(-q_len // bq)
-        tile_seen = seen[:, tile * bk:(tile + 1) * bk]
+        tile_seen = seen[:, tile * bk : (tile + 1) * bk]
         rows = np.nonzero(tile_seen.any(axis=1))[0]
         assert rows.size == 0 or (lo * bq <= rows.min() and rows.max() < hi * bq)
-        full_rows = tile_seen[full_lo * bq:hi * bq]
+        full_rows = tile_seen[full_lo * bq : hi * bq]
         assert full_rows.all(), (tile, lo, full_lo, hi)
 
 
@@ -291,13 +336,24 @@ def test_mgpu_bwd_lowers_for_cuda_on_cpu(case):
 
     def loss(q, k, v):
         o = flash_module._flash_attention_pallas(
-            q, k, v, jnp.int32(off), None, None, causal=causal, sm_scale=1 / math.sqrt(128), sliding_window=None,
-            logits_soft_cap=None, return_lse=False, backend="mosaic_gpu", block_sizes=BlockSizes(),
-            static_q_offset=off)
+            q,
+            k,
+            v,
+            jnp.int32(off),
+            None,
+            None,
+            causal=causal,
+            sm_scale=1 / math.sqrt(128),
+            sliding_window=None,
+            logits_soft_cap=None,
+            return_lse=False,
+            backend="mosaic_gpu",
+            block_sizes=BlockSizes(),
+            static_q_offset=off,
+        )
         return jnp.sum(o.astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu_v2") == 3
     assert "triton" not in text
 
@@ -336,9 +392,13 @@ def test_mgpu_bwd_grads(case, with_lse):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("cfg", [flash_attention_mgpu_bwd.MgpuBwdConfig(fused=True),
-                                 flash_attention_mgpu_bwd.MgpuBwdConfig(max_concurrent_steps=4, dq_block_kv=128,
-                                                                        dq_steps=2)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        flash_attention_mgpu_bwd.MgpuBwdConfig(fused=True),
+        flash_attention_mgpu_bwd.MgpuBwdConfig(max_concurrent_steps=4, dq_block_kv=128, dq_steps=2),
+    ],
+)
 def test_mgpu_bwd_configs(cfg):
     """The selectable variants (fused dq reduction; deeper rings, 128-key dq steps) on tile-multiple lengths."""
     from pallas_kernels import flash_attention_mgpu  # noqa: PLC0415
@@ -348,19 +408,24 @@ def test_mgpu_bwd_configs(cfg):
     st = _mgpu_static(t, t, True, 0)
     o, lse = flash_attention_mgpu.forward(q, k, v, st)
     grads = jax.jit(lambda *a: flash_attention_mgpu_bwd.backward(*a, st, cfg))(
-        q, k, v, o, lse, do.astype(q.dtype), jnp.zeros_like(lse))
-    ref = jax.grad(lambda *a: jnp.sum(reference(*a, causal=True) * do.astype(q.dtype).astype(jnp.float32)),
-                   argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+        q, k, v, o, lse, do.astype(q.dtype), jnp.zeros_like(lse)
+    )
+    ref = jax.grad(
+        lambda *a: jnp.sum(reference(*a, causal=True) * do.astype(q.dtype).astype(jnp.float32)), argnums=(0, 1, 2)
+    )(*(x.astype(jnp.float32) for x in (q, k, v)))
     for name, g, r in zip("qkv", grads, ref):
         assert _rel_err(g, r) < 2e-2, (name, _rel_err(g, r))
 
 
-@pytest.mark.parametrize("b,tq,tk,hq,hkv,causal,off,with_lse", [
-    (1, 128, 128, 1, 1, True, 0, False),  # one CTA; fewer key blocks than the dq ring's depth
-    (1, 300, 300, 2, 1, True, 0, True),  # GQA 2, diagonal + tail masks, lse cotangent
-    (1, 200, 130, 2, 2, False, 0, False),  # Tq != Tk, padded keys in the last dk/dv CTA
-    (1, 60, 250, 4, 1, True, 190, False),  # GQA 4, a chunk at the end of the keys (q_offset)
-])
+@pytest.mark.parametrize(
+    "b,tq,tk,hq,hkv,causal,off,with_lse",
+    [
+        (1, 128, 128, 1, 1, True, 0, False),  # one CTA; fewer key blocks than the dq ring's depth
+        (1, 300, 300, 2, 1, True, 0, True),  # GQA 2, diagonal + tail masks, lse cotangent
+        (1, 200, 130, 2, 2, False, 0, False),  # Tq != Tk, padded keys in the last dk/dv CTA
+        (1, 60, 250, 4, 1, True, 190, False),  # GQA 4, a chunk at the end of the keys (q_offset)
+    ],
+)
 def test_mgpu_bwd_interpret(b, tq, tk, hq, hkv, causal, off, with_lse):
     """The Mosaic GPU backward kernels in the Mosaic GPU interpreter against the fp32 reference's gradients."""
     tq_pad, tk_pad = (-(-n // 128) * 128 for n in (tq, tk))
@@ -379,8 +444,14 @@ def test_mgpu_bwd_interpret(b, tq, tk, hq, hkv, causal, off, with_lse):
     pad_r = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, tq_pad - tq)])  # noqa: E731
     st = _mgpu_static(tq, tk, causal, off)
     dq, dk, dv = jax.jit(lambda *a: flash_attention_mgpu_bwd.backward(*a, st, interpret=True))(
-        pad_t(q, tq_pad), pad_t(k, tk_pad), pad_t(v, tk_pad), pad_t(o.astype(q.dtype), tq_pad), pad_r(lse),
-        pad_t(do, tq_pad), pad_r(dlse))
+        pad_t(q, tq_pad),
+        pad_t(k, tk_pad),
+        pad_t(v, tk_pad),
+        pad_t(o.astype(q.dtype), tq_pad),
+        pad_r(lse),
+        pad_t(do, tq_pad),
+        pad_r(dlse),
+    )
     for name, g, r in zip("qkv", (dq[:, :tq], dk[:, :tk], dv[:, :tk]), ref):
         g = np.asarray(g, np.float32)
         assert np.isfinite(g).all(), f"d{name} not finite"

@@ -30,9 +30,11 @@ def _has_hopper() -> bool:
 
 def _inputs(batch, q_len, kv_len, hq, hkv, head_dim, seed):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(kq, (batch, q_len, hq, head_dim), jnp.bfloat16),
-            jax.random.normal(kk, (batch, kv_len, hkv, head_dim), jnp.bfloat16),
-            jax.random.normal(kv, (batch, kv_len, hkv, head_dim), jnp.bfloat16))
+    return (
+        jax.random.normal(kq, (batch, q_len, hq, head_dim), jnp.bfloat16),
+        jax.random.normal(kk, (batch, kv_len, hkv, head_dim), jnp.bfloat16),
+        jax.random.normal(kv, (batch, kv_len, hkv, head_dim), jnp.bfloat16),
+    )
 
 
 def _mosaic_interpreted(q, k, v, *, causal, q_offset):
@@ -44,9 +46,21 @@ def _mosaic_interpreted(q, k, v, *, causal, q_offset):
     head_dim = q.shape[-1]
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         return fa._flash_attention_pallas(  # pylint: disable=protected-access
-            q, k, v, q_offset, None, None, causal=causal, sm_scale=head_dim**-0.5, sliding_window=None,
-            logits_soft_cap=None, return_lse=True, backend="mosaic_gpu",
-            block_sizes=BlockSizes.for_head_dim(head_dim), static_q_offset=q_offset if causal else 0)
+            q,
+            k,
+            v,
+            q_offset,
+            None,
+            None,
+            causal=causal,
+            sm_scale=head_dim**-0.5,
+            sliding_window=None,
+            logits_soft_cap=None,
+            return_lse=True,
+            backend="mosaic_gpu",
+            block_sizes=BlockSizes.for_head_dim(head_dim),
+            static_q_offset=q_offset if causal else 0,
+        )
 
 
 def _check(o, lse, q, k, v, *, causal, q_offset, lse_tol):
@@ -79,9 +93,18 @@ def test_interpreted_entry_point_matches_reference(batch, q_len, kv_len, hq, hkv
 def _forward_direct(q, k, v, cfg, causal, interpret):
     """mgpu.forward on already tile-aligned inputs (no entry point): lets a test pick the tiles and ring."""
     _, q_len, _, head_dim = q.shape
-    st = KernelStatic(causal=causal, sm_scale=head_dim**-0.5, sliding_window=None, logits_soft_cap=None,
-                      q_len=q_len, kv_len=k.shape[1], has_segments=False, blocks=BlockSizes(), interpret=False,
-                      static_q_offset=0)
+    st = KernelStatic(
+        causal=causal,
+        sm_scale=head_dim**-0.5,
+        sliding_window=None,
+        logits_soft_cap=None,
+        q_len=q_len,
+        kv_len=k.shape[1],
+        has_segments=False,
+        blocks=BlockSizes(),
+        interpret=False,
+        static_q_offset=0,
+    )
     return jax.jit(lambda q, k, v: mgpu.forward(q, k, v, st, cfg=cfg, interpret=interpret))(q, k, v)
 
 
@@ -90,8 +113,11 @@ def _forward_direct(q, k, v, cfg, causal, interpret):
 RING_CASES = [
     pytest.param(mgpu.MgpuConfig(block_q=64, block_kv=64, max_concurrent_steps=3), True, id="causal_bkv64_ring3"),
     pytest.param(mgpu.MgpuConfig(block_q=64, block_kv=64, max_concurrent_steps=2), False, id="full_bkv64_ring2"),
-    pytest.param(mgpu.MgpuConfig(block_q=128, block_kv=64, max_concurrent_steps=3, q_tiles_fastest=True,
-                                 split_refill=False), True, id="causal_bq128_qfast_joint_refill"),
+    pytest.param(
+        mgpu.MgpuConfig(block_q=128, block_kv=64, max_concurrent_steps=3, q_tiles_fastest=True, split_refill=False),
+        True,
+        id="causal_bq128_qfast_joint_refill",
+    ),
 ]
 
 
@@ -115,12 +141,16 @@ def test_rejects_misaligned_lengths_and_bad_configs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("cfg,causal", RING_CASES + [
-    pytest.param(mgpu.MgpuConfig(), True, id="plain_causal"),
-    pytest.param(mgpu.MgpuConfig(), False, id="plain_full"),
-    pytest.param(mgpu.MgpuConfig(pipelined=True, split_refill=True), True, id="pipelined_causal"),
-    pytest.param(mgpu.MgpuConfig(pipelined=True, split_refill=True), False, id="pipelined_full"),
-])
+@pytest.mark.parametrize(
+    "cfg,causal",
+    RING_CASES
+    + [
+        pytest.param(mgpu.MgpuConfig(), True, id="plain_causal"),
+        pytest.param(mgpu.MgpuConfig(), False, id="plain_full"),
+        pytest.param(mgpu.MgpuConfig(pipelined=True, split_refill=True), True, id="pipelined_causal"),
+        pytest.param(mgpu.MgpuConfig(pipelined=True, split_refill=True), False, id="pipelined_full"),
+    ],
+)
 def test_gpu_forward_matches_reference(cfg, causal):
     q, k, v = _inputs(2, 1024, 1024, 4, 2, 128, seed=11)
     o, lse = _forward_direct(q, k, v, cfg, causal, None)

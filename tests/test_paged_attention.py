@@ -31,14 +31,14 @@ def build_pool(rng, seq_lens, *, num_kv_heads, head_dim, page_size, dtype, spare
     needed = [math.ceil(n / page_size) for n in seq_lens]
     num_pages = sum(needed) + spare_pages
     perm = rng.permutation(num_pages)
-    spare = perm[sum(needed):]
+    spare = perm[sum(needed) :]
     max_blocks = max(needed + [0]) + 1  # at least one padding column
     block_tables = rng.choice(spare, size=(len(seq_lens), max_blocks)).astype(np.int32)
     poison = np.ones((num_pages, page_size), bool)  # [P, ps] slots no sequence owns
     used = 0
     for s, (n, p) in enumerate(zip(seq_lens, needed)):
-        block_tables[s, :p] = perm[used:used + p]
-        poison[perm[used:used + p]] = (np.arange(p * page_size) >= n).reshape(p, page_size)
+        block_tables[s, :p] = perm[used : used + p]
+        poison[perm[used : used + p]] = (np.arange(p * page_size) >= n).reshape(p, page_size)
         used += p
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     out = {"block_tables": block_tables}
@@ -76,15 +76,24 @@ def rel_err(out, ref):
 class PagedAttentionTestBase:
     backend: str = "interpret"
 
-    def run_case(self, *, lengths, group, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32,
-                 q_dtype=None, config=pa.PagedAttentionConfig(), seed=0):
+    def run_case(
+        self,
+        *,
+        lengths,
+        group,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.float32,
+        q_dtype=None,
+        config=pa.PagedAttentionConfig(),
+        seed=0,
+    ):
         rng = np.random.default_rng(seed)
-        pool = build_pool(rng, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                          dtype=dtype)
+        pool = build_pool(rng, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
         q_dtype = q_dtype or (dtype if jnp.dtype(dtype) not in QUANT_MAX else jnp.bfloat16)
         q = jnp.asarray(rng.standard_normal((len(lengths), num_kv_heads * group, head_dim)), q_dtype)
-        args = (q, pool["k_pages"], pool["v_pages"], jnp.asarray(pool["block_tables"]),
-                jnp.asarray(lengths, jnp.int32))
+        args = (q, pool["k_pages"], pool["v_pages"], jnp.asarray(pool["block_tables"]), jnp.asarray(lengths, jnp.int32))
         scales = dict(k_scales=pool["k_scales"], v_scales=pool["v_scales"])
         out = pa.paged_attention(*args, **scales, backend=self.backend, config=config)
         ref = pa.reference(*args, **scales)
@@ -95,13 +104,21 @@ class PagedAttentionTestBase:
 
     @pytest.mark.parametrize(
         "group,head_dim,page_size,num_splits",
-        [(1, 64, 16, 1), (3, 64, 32, 4), (4, 128, 16, 2), (8, 64, 128, 1), (4, 64, 16, 8), (8, 128, 32, None),
-         (2, 256, 64, 2)],
+        [
+            (1, 64, 16, 1),
+            (3, 64, 32, 4),
+            (4, 128, 16, 2),
+            (8, 64, 128, 1),
+            (4, 64, 16, 8),
+            (8, 128, 32, None),
+            (2, 256, 64, 2),
+        ],
     )
     def test_lengths_f32(self, group, head_dim, page_size, num_splits):
         config = pa.PagedAttentionConfig(block_tokens=32, num_splits=num_splits)
-        out, ref = self.run_case(lengths=[0, 1, 3, 127, 513], group=group, head_dim=head_dim,
-                                 page_size=page_size, config=config)
+        out, ref = self.run_case(
+            lengths=[0, 1, 3, 127, 513], group=group, head_dim=head_dim, page_size=page_size, config=config
+        )
         assert rel_err(out, ref) < 1e-4
 
     def test_long_split_vs_unsplit(self):
@@ -113,8 +130,13 @@ class PagedAttentionTestBase:
 
     @pytest.mark.parametrize("group,page_size", [(4, 16), (3, 128)])
     def test_bf16_bounds(self, group, page_size):
-        out, ref = self.run_case(lengths=[1, 3, 127, 513], group=group, page_size=page_size, dtype=jnp.bfloat16,
-                                 config=pa.PagedAttentionConfig(num_splits=2))
+        out, ref = self.run_case(
+            lengths=[1, 3, 127, 513],
+            group=group,
+            page_size=page_size,
+            dtype=jnp.bfloat16,
+            config=pa.PagedAttentionConfig(num_splits=2),
+        )
         assert rel_err(out, ref) < 1e-2
 
     def test_f32_query_bf16_pages(self):
@@ -124,8 +146,13 @@ class PagedAttentionTestBase:
     @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
     @pytest.mark.parametrize("num_splits", [1, 4])
     def test_quantised_pages(self, dtype, num_splits):
-        out, ref = self.run_case(lengths=[0, 1, 3, 127, 513], group=4, page_size=32, dtype=dtype,
-                                 config=pa.PagedAttentionConfig(num_splits=num_splits))
+        out, ref = self.run_case(
+            lengths=[0, 1, 3, 127, 513],
+            group=4,
+            page_size=32,
+            dtype=dtype,
+            config=pa.PagedAttentionConfig(num_splits=num_splits),
+        )
         assert rel_err(out, ref) < 2e-2
 
 
@@ -154,8 +181,13 @@ def test_reference_matches_dense_softmax():
     rng = np.random.default_rng(3)
     pool = build_pool(rng, [37], num_kv_heads=1, head_dim=16, page_size=16, dtype=jnp.float32)
     q = rng.standard_normal((1, 2, 16)).astype(np.float32)
-    out = pa.reference(jnp.asarray(q), pool["k_pages"], pool["v_pages"], jnp.asarray(pool["block_tables"]),
-                       jnp.asarray([37], jnp.int32))
+    out = pa.reference(
+        jnp.asarray(q),
+        pool["k_pages"],
+        pool["v_pages"],
+        jnp.asarray(pool["block_tables"]),
+        jnp.asarray([37], jnp.int32),
+    )
     pages = pool["block_tables"][0, :3]
     k = np.asarray(pool["k_pages"])[0, pages].reshape(-1, 16)[:37]
     v = np.asarray(pool["v_pages"])[0, pages].reshape(-1, 16)[:37]
@@ -190,10 +222,16 @@ def test_choose_num_splits():
         (lambda a: a.update(k_pages=jnp.zeros((2, 4, 16)), v_pages=jnp.zeros((2, 4, 16))), "Hkv, num_pages"),
         (lambda a: a.update(v_pages=jnp.zeros((2, 5, 16, 16))), "differ"),
         (lambda a: a.update(k_scales=jnp.ones((2, 4, 16))), "scales given"),
-        (lambda a: a.update(k_pages=a["k_pages"].astype(jnp.int8), v_pages=a["v_pages"].astype(jnp.int8)),
-         "need both"),
-        (lambda a: a.update(k_pages=a["k_pages"].astype(jnp.int8), v_pages=a["v_pages"].astype(jnp.int8),
-                            k_scales=jnp.ones((2, 4, 16)), v_scales=jnp.ones((2, 4, 8))), "v_scales"),
+        (lambda a: a.update(k_pages=a["k_pages"].astype(jnp.int8), v_pages=a["v_pages"].astype(jnp.int8)), "need both"),
+        (
+            lambda a: a.update(
+                k_pages=a["k_pages"].astype(jnp.int8),
+                v_pages=a["v_pages"].astype(jnp.int8),
+                k_scales=jnp.ones((2, 4, 16)),
+                v_scales=jnp.ones((2, 4, 8)),
+            ),
+            "v_scales",
+        ),
         (lambda a: a.update(block_tables=jnp.zeros((3, 2), jnp.int32)), "block_tables"),
         (lambda a: a.update(block_tables=jnp.zeros((2, 2), jnp.float32)), "block_tables"),
         (lambda a: a.update(lengths=jnp.ones((3,), jnp.int32)), "lengths"),
@@ -205,13 +243,20 @@ def test_validation_errors(mutate, match):
     args = dict(q=q, k_pages=k, v_pages=v, block_tables=bt, lengths=lengths, k_scales=None, v_scales=None)
     mutate(args)
     with pytest.raises(ValueError, match=match):
-        pa.paged_attention(args.pop("q"), args.pop("k_pages"), args.pop("v_pages"), args.pop("block_tables"),
-                           args.pop("lengths"), backend="interpret", **args)
+        pa.paged_attention(
+            args.pop("q"),
+            args.pop("k_pages"),
+            args.pop("v_pages"),
+            args.pop("block_tables"),
+            args.pop("lengths"),
+            backend="interpret",
+            **args,
+        )
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(block_tokens=24), dict(block_tokens=8), dict(num_splits=0), dict(num_warps=3),
-               dict(num_stages=0)])
+    "kwargs", [dict(block_tokens=24), dict(block_tokens=8), dict(num_splits=0), dict(num_warps=3), dict(num_stages=0)]
+)
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         pa.PagedAttentionConfig(**kwargs)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from serving.block_manager import BlockManager
-from serving.radix_cache import RadixCache
+from serving.core.block_manager import BlockManager
+from serving.core.radix_cache import RadixCache
 
 BS = 2
 

@@ -37,18 +37,35 @@ def rel_err(out, ref):
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def make_batch(rng, seqs, *, pad_slots=2, pad_tokens=3, group=2, num_kv_heads=2, head_dim=64, page_size=16,
-               dtype=jnp.float32, q_dtype=None):
+def make_batch(
+    rng,
+    seqs,
+    *,
+    pad_slots=2,
+    pad_tokens=3,
+    group=2,
+    num_kv_heads=2,
+    head_dim=64,
+    page_size=16,
+    dtype=jnp.float32,
+    q_dtype=None,
+):
     """Inputs for `seqs` [(q_len, kv_len)] plus `pad_slots` unused sequence slots and `pad_tokens` rows."""
     kv_lens = [kv for _, kv in seqs] + [0] * pad_slots
-    pool = _build_pool(rng, kv_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                       dtype=dtype)
+    pool = _build_pool(rng, kv_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
     cu = np.concatenate([[0], np.cumsum([q for q, _ in seqs] + [0] * pad_slots)]).astype(np.int32)
     num_tokens = int(cu[-1]) + pad_tokens
     q_dtype = q_dtype or (dtype if jnp.dtype(dtype) not in QUANT_DTYPES else jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), q_dtype)
-    args = (q, pool["k_pages"], pool["v_pages"], jnp.asarray(pool["block_tables"]),
-            jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), jnp.int32(len(seqs)))
+    args = (
+        q,
+        pool["k_pages"],
+        pool["v_pages"],
+        jnp.asarray(pool["block_tables"]),
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(cu),
+        jnp.int32(len(seqs)),
+    )
     return args, dict(k_scales=pool["k_scales"], v_scales=pool["v_scales"])
 
 
@@ -66,21 +83,29 @@ class RaggedAttentionTestBase:
 
     @pytest.mark.parametrize(
         "group,head_dim,page_size,rows,small_rows,block_tokens,schedule",
-        [(1, 64, 16, 16, 0, 16, "interleave"), (3, 64, 32, 64, 16, 64, "interleave"),
-         (4, 128, 16, 32, 16, 32, "interleave"), (8, 64, 128, 64, 16, 64, "interleave"),
-         (2, 64, 16, 64, 0, 128, "prefill_first"), (2, 64, 32, 64, 32, 32, "prefill_first"),
-         (4, 256, 64, 64, 16, 64, "interleave"), (3, 64, 16, 64, 16, 32, "prefill_first")],
+        [
+            (1, 64, 16, 16, 0, 16, "interleave"),
+            (3, 64, 32, 64, 16, 64, "interleave"),
+            (4, 128, 16, 32, 16, 32, "interleave"),
+            (8, 64, 128, 64, 16, 64, "interleave"),
+            (2, 64, 16, 64, 0, 128, "prefill_first"),
+            (2, 64, 32, 64, 32, 32, "prefill_first"),
+            (4, 256, 64, 64, 16, 64, "interleave"),
+            (3, 64, 16, 64, 16, 32, "prefill_first"),
+        ],
     )
     def test_mixed_f32(self, group, head_dim, page_size, rows, small_rows, block_tokens, schedule):
-        config = rpa.RaggedConfig(block_q_rows=rows, small_q_rows=small_rows, block_tokens=block_tokens,
-                                  schedule=schedule)
+        config = rpa.RaggedConfig(
+            block_q_rows=rows, small_q_rows=small_rows, block_tokens=block_tokens, schedule=schedule
+        )
         out, ref = self.run_case(MIXED, group=group, head_dim=head_dim, page_size=page_size, config=config)
         assert rel_err(out, ref) < 1e-4
 
     def test_prefill_chunks_only(self):
         seqs = [(40, 40), (33, 100), (64, 64 + 513)]
-        out, ref = self.run_case(seqs, group=4, pad_slots=0, pad_tokens=0,
-                                 config=rpa.RaggedConfig(block_q_rows=32, block_tokens=32))
+        out, ref = self.run_case(
+            seqs, group=4, pad_slots=0, pad_tokens=0, config=rpa.RaggedConfig(block_q_rows=32, block_tokens=32)
+        )
         assert rel_err(out, ref) < 1e-4
 
     def test_bf16_bounds(self):
@@ -136,13 +161,15 @@ def test_tile_metadata_exact():
     kwargs = dict(block_q=8, small_block_q=4, max_tiles=10)
     p, s = rpa.PREFILL_TILE, rpa.SMALL_TILE
     tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(5), schedule="prefill_first", **kwargs))
-    np.testing.assert_array_equal(tiles[:, :7], [[p, p, p, p, s, s, 0], [0, 2, 2, 2, 1, 4, 0],
-                                                 [0, 6, 14, 22, 5, 23, 0]])
+    np.testing.assert_array_equal(
+        tiles[:, :7], [[p, p, p, p, s, s, 0], [0, 2, 2, 2, 1, 4, 0], [0, 6, 14, 22, 5, 23, 0]]
+    )
     np.testing.assert_array_equal(tiles[0, 6:], rpa.NO_TILE)
     # interleave: prefill keys (2i+1)*2 = 2, 6, 10, 14; small keys (2j+1)*4 = 4, 12 -> p0 s0 p1 p2 s1 p3
     tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(5), schedule="interleave", **kwargs))
-    np.testing.assert_array_equal(tiles[:, :7], [[p, s, p, p, s, p, 0], [0, 1, 2, 2, 4, 2, 0],
-                                                 [0, 5, 6, 14, 23, 22, 0]])
+    np.testing.assert_array_equal(
+        tiles[:, :7], [[p, s, p, p, s, p, 0], [0, 1, 2, 2, 4, 2, 0], [0, 5, 6, 14, 23, 22, 0]]
+    )
     tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(5), block_q=8, small_block_q=0, max_tiles=10))
     np.testing.assert_array_equal(tiles[:2, :7], [[p] * 6 + [0], [0, 1, 2, 2, 2, 4, 0]])  # all prefill
     tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(2), **kwargs))  # slots 2.. are padding
@@ -153,8 +180,16 @@ def test_tile_metadata_exact():
 def test_interleave_is_a_permutation(num_big, num_small):
     q_lens = [8] * num_big + [1] * num_small  # one prefill tile per 8-token sequence
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    tiles = np.asarray(rpa.tile_metadata(cu, jnp.int32(len(q_lens)), block_q=8, small_block_q=4,
-                                         max_tiles=num_big + num_small + 2, schedule="interleave"))
+    tiles = np.asarray(
+        rpa.tile_metadata(
+            cu,
+            jnp.int32(len(q_lens)),
+            block_q=8,
+            small_block_q=4,
+            max_tiles=num_big + num_small + 2,
+            schedule="interleave",
+        )
+    )
     kinds = tiles[0, : num_big + num_small]
     assert (kinds == rpa.PREFILL_TILE).sum() == num_big and (kinds == rpa.SMALL_TILE).sum() == num_small
     assert sorted(tiles[1, : num_big + num_small]) == list(range(num_big + num_small))  # each sequence once
@@ -174,9 +209,15 @@ def test_reference_decode_rows_match_paged_reference():
 def _valid_args():
     q = jnp.zeros((6, 4, 16), jnp.float32)
     pages = jnp.zeros((2, 4, 16, 16), jnp.float32)
-    return dict(q=q, k_pages=pages, v_pages=pages, block_tables=jnp.zeros((2, 2), jnp.int32),
-                kv_lens=jnp.ones((2,), jnp.int32), cu_q_lens=jnp.asarray([0, 1, 2], jnp.int32),
-                num_seqs=jnp.int32(2))
+    return dict(
+        q=q,
+        k_pages=pages,
+        v_pages=pages,
+        block_tables=jnp.zeros((2, 2), jnp.int32),
+        kv_lens=jnp.ones((2,), jnp.int32),
+        cu_q_lens=jnp.asarray([0, 1, 2], jnp.int32),
+        num_seqs=jnp.int32(2),
+    )
 
 
 @pytest.mark.parametrize(
@@ -199,10 +240,21 @@ def test_validation_errors(change, match):
         rpa.ragged_paged_attention(**args, backend="interpret")
 
 
-@pytest.mark.parametrize("kwargs", [dict(block_q_rows=8), dict(block_q_rows=48), dict(block_tokens=100),
-                                    dict(small_q_rows=8), dict(small_q_rows=24),
-                                    dict(num_warps=5), dict(num_stages=0), dict(schedule="paired"),
-                                    dict(small_block_tokens=8), dict(small_block_tokens=48)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(block_q_rows=8),
+        dict(block_q_rows=48),
+        dict(block_tokens=100),
+        dict(small_q_rows=8),
+        dict(small_q_rows=24),
+        dict(num_warps=5),
+        dict(num_stages=0),
+        dict(schedule="paired"),
+        dict(small_block_tokens=8),
+        dict(small_block_tokens=48),
+    ],
+)
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         rpa.RaggedConfig(**kwargs)

@@ -53,6 +53,7 @@ def _top_p_set(probs: np.ndarray, p: float) -> set[int]:
 
 # Greedy ------------------------------------------------------------------------------------------------------------
 
+
 def test_greedy_is_argmax():
     logits = _logits(0, b=64, v=1000)
     tok, lp, _, _ = _sample(jnp.asarray(logits), _st(64, temperature=0.0, seed=np.arange(64)))
@@ -63,8 +64,9 @@ def test_greedy_is_argmax():
 
 def test_greedy_ignores_filters_and_seed():
     logits = _logits(1, b=8, v=200)
-    tok, *_ = _sample(jnp.asarray(logits), _st(8, temperature=0.0, top_k=3, top_p=0.5, min_p=0.2,
-                                                   seed=np.arange(8) * 7919))
+    tok, *_ = _sample(
+        jnp.asarray(logits), _st(8, temperature=0.0, top_k=3, top_p=0.5, min_p=0.2, seed=np.arange(8) * 7919)
+    )
     np.testing.assert_array_equal(np.asarray(tok), logits.argmax(-1))
 
 
@@ -75,6 +77,7 @@ def test_top_k_1_is_greedy():
 
 
 # Supports of the filters -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("k", [2, 5, 11])
 def test_top_k_support(k):
@@ -125,23 +128,24 @@ def test_filter_logits_matches_definitions_exactly():
     top_p = [0.5, 1.0, 0.9, 0.7, 1.0, 0.95]
     min_p = [0.0, 0.0, 0.1, 0.0, 0.3, 0.02]
     temp = [1.0, 0.7, 1.2, 0.9, 1.0, 2.0]
-    out = np.asarray(filter_logits(jnp.asarray(logits), _st(6, top_k=top_k, top_p=top_p, min_p=min_p,
-                                                             temperature=temp)))
+    out = np.asarray(
+        filter_logits(jnp.asarray(logits), _st(6, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temp))
+    )
     for b in range(6):
         probs = _probs(logits[b], temp[b])
         keep = set(range(64))
         if 0 < top_k[b] < 64:
-            keep &= set(np.argsort(-probs)[:top_k[b]].tolist())
+            keep &= set(np.argsort(-probs)[: top_k[b]].tolist())
         kept_probs = np.where(np.isin(np.arange(64), list(keep)), probs, 0.0)
         keep &= _top_p_set(kept_probs / kept_probs.sum(), top_p[b]) if top_p[b] < 1 else keep
         if min_p[b] > 0:
             keep &= set(np.flatnonzero(probs >= min_p[b] * probs.max()).tolist())
         assert set(np.flatnonzero(np.isfinite(out[b])).tolist()) == keep, b
-        np.testing.assert_allclose(out[b][np.isfinite(out[b])], (logits[b] / temp[b])[np.isfinite(out[b])],
-                                   rtol=1e-6)
+        np.testing.assert_allclose(out[b][np.isfinite(out[b])], (logits[b] / temp[b])[np.isfinite(out[b])], rtol=1e-6)
 
 
 # Frequencies ------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
 def test_temperature_frequencies_match_softmax(temperature):
@@ -164,6 +168,7 @@ def test_top_k_frequencies_renormalised():
 
 
 # Penalties --------------------------------------------------------------------------------------------------------
+
 
 def test_penalties_match_openai_and_hf():
     logits = np.array([[2.0, -1.0, 0.5, -0.5, 3.0, 1.0]], np.float32)
@@ -197,13 +202,18 @@ def test_penalties_steer_greedy_choice():
 
 # Banned ids, logprobs, seeds --------------------------------------------------------------------------------------
 
+
 def test_banned_ids_never_sampled():
     logits = _logits(70, v=12, scale=0.5)[0]
     logits[3] = 10.0  # the banned token dominates
     n = 2000
     banned = np.tile(np.array([[3, 7, -1]], np.int32), (n, 1))
-    for fields in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=1),
-                   dict(temperature=2.0, top_p=0.9)):
+    for fields in (
+        dict(temperature=0.0),
+        dict(temperature=1.0),
+        dict(temperature=1.0, top_k=1),
+        dict(temperature=2.0, top_p=0.9),
+    ):
         st = _st(n, seed=np.arange(n), **fields)
         tok, *_ = _sample(jnp.asarray(np.broadcast_to(logits, (n, 12))), st, None, None, jnp.asarray(banned))
         seen = set(np.asarray(tok).tolist())
@@ -235,7 +245,7 @@ def test_seeded_row_independent_of_batch():
     for b, pos in ((8, 0), (8, 5), (32, 31)):
         logits = _logits(92 + b + pos, b=b, v=300)
         logits[pos] = target
-        seeds = rng.integers(0, 2 ** 31, b)
+        seeds = rng.integers(0, 2**31, b)
         seeds[pos] = 1234
         temps = rng.choice([0.0, 0.5, 1.0, 0.8], b)
         temps[pos] = 0.8

@@ -7,23 +7,31 @@ import random
 
 import pytest
 
-from serving.request import Request, RequestStatus, SamplingParams
-from serving.scheduler import RequestRejected, Scheduler
+from serving.core.request import Request, RequestStatus, SamplingParams
+from serving.core.scheduler import RequestRejected, Scheduler
 
 BS = 4
 EOS = 2
 
 
 def make(num_blocks=17, max_num_seqs=8, budget=64, max_model_len=64, caching=False, **kw):
-    return Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=max_model_len, enable_prefix_caching=caching, **kw)
+    return Scheduler(
+        num_blocks=num_blocks,
+        block_size=BS,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_prefix_caching=caching,
+        **kw,
+    )
 
 
 def req(rid, prompt, max_tokens=16, priority=0, **params):
     if isinstance(prompt, int):
         prompt = list(range(100, 100 + prompt))
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,),
-                   priority=priority)
+    return Request(
+        rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,), priority=priority
+    )
 
 
 def step(s, token=7, per_request=None):
@@ -51,9 +59,11 @@ def test_chunked_prefill_splits_a_long_prompt():
         out, _ = step(s)
         (sr,) = out.scheduled
         chunks.append((sr.start_pos, sr.token_ids, sr.block_table, sr.sample))
-    assert chunks == [(0, list(range(100, 104)), [1], False),
-                      (4, list(range(104, 108)), [1, 2], False),
-                      (8, [108, 109], [1, 2, 3], True)]
+    assert chunks == [
+        (0, list(range(100, 104)), [1], False),
+        (4, list(range(104, 108)), [1, 2], False),
+        (8, [108, 109], [1, 2, 3], True),
+    ]
     assert r.output_token_ids == [7] and r.num_computed_tokens == 10
     out, _ = step(s)  # Decode: the sampled token at position 10.
     (sr,) = out.scheduled
@@ -66,7 +76,10 @@ def test_budget_is_respected_across_requests():
         s.add_request(req(rid, 4))
     out, _ = step(s)
     assert [(sr.request_id, len(sr.token_ids), sr.sample) for sr in out.scheduled] == [
-        ("a", 4, True), ("b", 4, True), ("c", 2, False)]
+        ("a", 4, True),
+        ("b", 4, True),
+        ("c", 2, False),
+    ]
     assert out.num_batched_tokens == 10
     out, _ = step(s)
     assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("a", 1), ("b", 1), ("c", 2)]
@@ -84,7 +97,9 @@ def test_decode_rows_come_before_an_older_prefill():
         assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("short", 1), ("long", 6)]
     out, _ = step(s)
     assert [(sr.request_id, len(sr.token_ids), sr.sample) for sr in out.scheduled] == [
-        ("short", 1, True), ("long", 2, True)]
+        ("short", 1, True),
+        ("long", 2, True),
+    ]
 
 
 def test_max_num_seqs_limits_running():
@@ -189,7 +204,7 @@ def test_preempts_youngest_and_resumes_it_by_recompute(caching):
     sr = by_id(out)["b"]
     # With caching, b's first block (positions 0-3) survived in the cache.
     assert sr.start_pos == (4 if caching else 0)
-    assert sr.token_ids == b.all_token_ids[sr.start_pos:9] and sr.sample
+    assert sr.token_ids == b.all_token_ids[sr.start_pos : 9] and sr.sample
     while s.has_unfinished():
         step(s)
     assert b.finish_reason == "length" and b.output_token_ids == [7] * 8
@@ -220,8 +235,15 @@ def test_resumed_request_is_not_preempted_again_before_progress():
         assert "b" not in out.preempted_ids
     # b computes two chunks, then a takes the last free block; b waits (keeping its blocks) instead of being
     # preempted again, until a needs yet another block and, b being protected, a yields.
-    assert window == [[("a", 14), ("b", 0)], [("a", 15), ("b", 4)], [("a", 16)], [("a", 17)], [("a", 18)],
-                      [("a", 19)], [("b", 8), "a"]]
+    assert window == [
+        [("a", 14), ("b", 0)],
+        [("a", 15), ("b", 4)],
+        [("a", 16)],
+        [("a", 17)],
+        [("a", 18)],
+        [("a", 19)],
+        [("b", 8), "a"],
+    ]
     assert b.num_preemptions == 1 and a.num_preemptions == 1
     while s.has_unfinished():
         step(s)
@@ -246,7 +268,7 @@ def test_request_that_can_never_fit_is_rejected_at_add():
         s.add_request(req("p", 4, top_p=0.0))
     with pytest.raises(ValueError, match="duplicate"):
         s.add_request(req("ok", 4))
-    assert not s.has_unfinished() is False and s.num_waiting == 1
+    assert s.has_unfinished() is not False and s.num_waiting == 1
 
 
 @pytest.mark.parametrize("caching", [False, True])
@@ -432,10 +454,26 @@ def test_lookahead_never_preempts():
 
 def test_sampling_params_validation():
     assert SamplingParams().validate() == SamplingParams()
-    bad = [dict(max_tokens=0), dict(max_tokens=-1), dict(temperature=-0.5), dict(temperature=float("nan")),
-           dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0), dict(repetition_penalty=0.0),
-           dict(presence_penalty=3.0), dict(frequency_penalty=-2.5), dict(seed=1.5), dict(stop=["x"]),
-           dict(stop=("",)), dict(stop_token_ids=(-1,)), dict(min_tokens=20), dict(logprobs=-1), dict(n=0)]
+    bad = [
+        dict(max_tokens=0),
+        dict(max_tokens=-1),
+        dict(temperature=-0.5),
+        dict(temperature=float("nan")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(min_p=2.0),
+        dict(repetition_penalty=0.0),
+        dict(presence_penalty=3.0),
+        dict(frequency_penalty=-2.5),
+        dict(seed=1.5),
+        dict(stop=["x"]),
+        dict(stop=("",)),
+        dict(stop_token_ids=(-1,)),
+        dict(min_tokens=20),
+        dict(logprobs=-1),
+        dict(n=0),
+    ]
     for kwargs in bad:
         (name,) = kwargs
         with pytest.raises(ValueError, match=name):
@@ -452,18 +490,26 @@ def test_request_token_bookkeeping():
 
 def _random_prompt(rng, prefixes):
     prefix = rng.choice(prefixes)
-    return prefix[:rng.randint(0, len(prefix))] + [rng.randint(3, 40) for _ in range(rng.randint(1, 14))]
+    return prefix[: rng.randint(0, len(prefix))] + [rng.randint(3, 40) for _ in range(rng.randint(1, 14))]
 
 
-@pytest.mark.parametrize("seed,caching,policy", [(seed, seed % 3 != 1, ("fcfs", "priority")[seed % 2])
-                                                 for seed in range(16)])
+@pytest.mark.parametrize(
+    "seed,caching,policy", [(seed, seed % 3 != 1, ("fcfs", "priority")[seed % 2]) for seed in range(16)]
+)
 def test_randomized_stress_no_leaks(seed, caching, policy):
     rng = random.Random(seed)
     threshold = rng.choice([0, 5])
-    s = Scheduler(num_blocks=rng.choice([9, 11, 13]), block_size=BS, max_num_seqs=rng.choice([2, 4, 8]),
-                  max_num_batched_tokens=rng.choice([6, 16, 40]), max_model_len=32, enable_prefix_caching=caching,
-                  policy=policy, long_prefill_token_threshold=threshold,
-                  enable_chunked_prefill=bool(threshold) or rng.random() < 0.5)
+    s = Scheduler(
+        num_blocks=rng.choice([9, 11, 13]),
+        block_size=BS,
+        max_num_seqs=rng.choice([2, 4, 8]),
+        max_num_batched_tokens=rng.choice([6, 16, 40]),
+        max_model_len=32,
+        enable_prefix_caching=caching,
+        policy=policy,
+        long_prefill_token_threshold=threshold,
+        enable_chunked_prefill=bool(threshold) or rng.random() < 0.5,
+    )
     prefixes = [[rng.randint(3, 40) for _ in range(16)] for _ in range(3)]
     fallback_steps = []
     schedule_running = s._schedule_running
@@ -479,10 +525,15 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
     for _ in range(1000):
         op = rng.random()
         if op < 0.25:
-            r = Request(f"r{next_id}", _random_prompt(rng, prefixes),
-                        SamplingParams(max_tokens=rng.randint(1, 12), min_tokens=rng.choice([0, 0, 2]),
-                                       ignore_eos=rng.random() < 0.2),
-                        eos_token_ids=(EOS,), priority=rng.randint(0, 3))
+            r = Request(
+                f"r{next_id}",
+                _random_prompt(rng, prefixes),
+                SamplingParams(
+                    max_tokens=rng.randint(1, 12), min_tokens=rng.choice([0, 0, 2]), ignore_eos=rng.random() < 0.2
+                ),
+                eos_token_ids=(EOS,),
+                priority=rng.randint(0, 3),
+            )
             next_id += 1
             try:
                 s.add_request(r)
@@ -495,8 +546,10 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
         elif op < 0.38 and s.running and len(s.running) < s.max_num_seqs:
             parent = rng.choice(s.running)
             if parent.num_computed_tokens >= parent.num_prompt_tokens:
-                s.fork(parent.request_id, Request(f"r{next_id}", parent.prompt_token_ids, parent.sampling_params,
-                                                  eos_token_ids=(EOS,)))
+                s.fork(
+                    parent.request_id,
+                    Request(f"r{next_id}", parent.prompt_token_ids, parent.sampling_params, eos_token_ids=(EOS,)),
+                )
                 next_id += 1
                 forks += 1
         out = s.schedule()
@@ -512,9 +565,14 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
                 computed = {sr.request_id: k for sr in out.scheduled}
         if rng.random() < 0.1 and s.requests:
             s.abort(rng.choice(sorted(s.requests)))  # Between schedule and update.
-        sampled = {sr.request_id: [EOS if rng.random() < 0.08 else rng.randint(3, 40)
-                                   for _ in range(computed[sr.request_id] if computed else rng.choice([1, 1, 1, 3]))]
-                   for sr in out.scheduled if sr.sample}
+        sampled = {
+            sr.request_id: [
+                EOS if rng.random() < 0.08 else rng.randint(3, 40)
+                for _ in range(computed[sr.request_id] if computed else rng.choice([1, 1, 1, 3]))
+            ]
+            for sr in out.scheduled
+            if sr.sample
+        }
         finished += len(s.update(out, sampled, computed=computed))
         preemptions += len(out.preempted_ids)
         copies += len(out.cow_pairs)

@@ -22,7 +22,8 @@ import openai
 import pytest
 import uvicorn
 
-from serving import server as srv
+from serving import server as srv_main
+from serving.api import app as srv
 
 MODEL = srv.DEFAULT_MODEL_NAME
 MAX_MODEL_LEN = 256
@@ -77,16 +78,19 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live():
-    srv.enable_compilation_cache(CACHE_DIR)
-    from serving.llm import LLM
+    srv_main.enable_compilation_cache(CACHE_DIR)
+    from serving.engine.llm import LLM
 
     llm = LLM(max_model_len=MAX_MODEL_LEN, **ENGINE_OPTIONS)
     ref = llm.generate(PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0)
     chat_ref = llm.generate([CHAT], max_tokens=MAX_TOKENS, temperature=0.0, chat=True)[0]
     asgi = srv.create_app(lambda: llm, model_name=MODEL, max_queue=256, warmup=True)
     port = _free_port()
-    server = srv.DrainingServer(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning",
-                                               lifespan="on", timeout_graceful_shutdown=120))
+    server = srv.DrainingServer(
+        uvicorn.Config(
+            asgi, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=120
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -113,7 +117,7 @@ class _FakeScheduler:
         self.num_waiting = 0
 
     def stats(self):
-        from serving.scheduler import SchedulerStats
+        from serving.core.scheduler import SchedulerStats
 
         return SchedulerStats(self.num_waiting, len(self.requests), 10, 0, 0, 0, 0, 0)
 
@@ -143,7 +147,7 @@ class _FakeEngine:
         return None
 
     def step(self):
-        from serving.request import RequestOutput
+        from serving.core.request import RequestOutput
 
         time.sleep(0.01)
         self.num_steps += 1
@@ -158,8 +162,8 @@ class _FakeEngine:
 
 
 def test_async_engine_streams_refuses_and_aborts():
-    from serving.async_engine import AsyncEngine, QueueFullError, RequestSpec
-    from serving.request import SamplingParams
+    from serving.api.async_engine import AsyncEngine, QueueFullError, RequestSpec
+    from serving.core.request import SamplingParams
 
     fake = _FakeEngine()
 
@@ -167,8 +171,9 @@ def test_async_engine_streams_refuses_and_aborts():
         eng = AsyncEngine(lambda: fake, max_queue=2)
         eng.start()
         await asyncio.to_thread(eng.wait_ready, 10)
-        stream = await eng.submit([RequestSpec("a", [1], SamplingParams(max_tokens=3)),
-                                   RequestSpec("b", [1], SamplingParams(max_tokens=2))])
+        stream = await eng.submit(
+            [RequestSpec("a", [1], SamplingParams(max_tokens=3)), RequestSpec("b", [1], SamplingParams(max_tokens=2))]
+        )
         texts = {"a": "", "b": ""}
         async for out in stream:
             texts[out.request_id] += out.text
@@ -180,7 +185,7 @@ def test_async_engine_streams_refuses_and_aborts():
         with pytest.raises(QueueFullError):
             await eng.submit([RequestSpec("e", [1], SamplingParams())])
         fake.scheduler.num_waiting = 0
-        long = await eng.submit([RequestSpec("f", [1], SamplingParams(max_tokens=10 ** 6))])
+        long = await eng.submit([RequestSpec("f", [1], SamplingParams(max_tokens=10**6))])
         await long.next_output()
         eng.abort(long)
         for _ in range(100):
@@ -195,8 +200,8 @@ def test_async_engine_streams_refuses_and_aborts():
 
 
 def test_async_engine_loop_failure_fails_streams_instead_of_hanging():
-    from serving.async_engine import AsyncEngine, EngineError, EngineNotReadyError, RequestSpec
-    from serving.request import SamplingParams
+    from serving.api.async_engine import AsyncEngine, EngineError, EngineNotReadyError, RequestSpec
+    from serving.core.request import SamplingParams
 
     fake = _FakeEngine()
 
@@ -204,7 +209,7 @@ def test_async_engine_loop_failure_fails_streams_instead_of_hanging():
         eng = AsyncEngine(lambda: fake)
         eng.start()
         await asyncio.to_thread(eng.wait_ready, 10)
-        stream = await eng.submit([RequestSpec("a", [1], SamplingParams(max_tokens=10 ** 6))])
+        stream = await eng.submit([RequestSpec("a", [1], SamplingParams(max_tokens=10**6))])
         await stream.next_output()
         fake.fail_loop = True
         with pytest.raises(EngineError, match="loop bug"):
@@ -238,8 +243,9 @@ def test_completions_match_llm_generate(live):
 
 
 def test_chat_matches_llm_generate(live):
-    out = live.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}],
-                                                max_tokens=MAX_TOKENS, temperature=0)
+    out = live.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == live.chat_ref.text
     assert out.usage.completion_tokens == len(live.chat_ref.token_ids)
@@ -247,13 +253,24 @@ def test_chat_matches_llm_generate(live):
 
 def test_streaming_completion_and_chat(live):
     client = live.client()
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == live.ref[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == live.ref[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(live.ref[0].token_ids)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}],
-                                                 max_tokens=MAX_TOKENS, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == live.chat_ref.text
     # Without stream_options the chunk that ends the stream carries the usage.
@@ -268,14 +285,22 @@ def test_sampling_options(live):
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
     assert sorted(c.index for c in a.choices) == [0, 1] and a.usage.completion_tokens == 16
     extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.1)
-    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0.7, seed=1,
-                                    presence_penalty=0.5, frequency_penalty=0.5, extra_body=extra)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[1],
+        max_tokens=8,
+        temperature=0.7,
+        seed=1,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body=extra,
+    )
     assert out.choices[0].finish_reason in ("stop", "length")
     # A stop string taken from the greedy output ends it there.
     ref = live.ref[0].text
     stop = ref.split()[2]
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stop=stop)
-    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == ref[:ref.index(stop)]
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == ref[: ref.index(stop)]
     echo = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
     assert echo.choices[0].text.startswith(PROMPTS[0])
 
@@ -285,11 +310,17 @@ def test_logprobs(live):
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
-    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and value <= 0
         assert max(top.values()) == pytest.approx(value, abs=1e-4)  # greedy picks the most likely token
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": CHAT}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
 
@@ -303,36 +334,89 @@ BAD = [
     ("not an object", "/v1/completions", b"[1, 2]", 400, "JSON object"),
     ("wrong type", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "a"}, 404, "gpt-9"),
-    ("negative max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -5}, 400,
-     "max_tokens"),
-    ("huge max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 10 ** 30}, 400,
-     "maximum context length is 256"),
-    ("prompt over context", "/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4}, 400,
-     "in the prompt, 4 for the completion)"),
-    ("chat over context", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "in the messages"),
+    ("negative max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -5}, 400, "max_tokens"),
+    (
+        "huge max_tokens",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "max_tokens": 10**30},
+        400,
+        "maximum context length is 256",
+    ),
+    (
+        "prompt over context",
+        "/v1/completions",
+        {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4},
+        400,
+        "in the prompt, 4 for the completion)",
+    ),
+    (
+        "chat over context",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]},
+        400,
+        "in the messages",
+    ),
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
-    ("invalid utf-8", "/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "\xff\xfe"}', 400,
-     "parsing the body"),
-    ("lone surrogate", "/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "\\udc80"}', 400,
-     "UTF-8"),
-    ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "a", "frobnicate": 1}, 400,
-     "Unrecognized request argument supplied: frobnicate"),
-    ("NaN temperature", "/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "a", "temperature": NaN}',
-     400, "temperature"),
-    ("token id out of range", "/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 9]}, 400, "out of range"),
-    ("image part", "/v1/chat/completions", {"model": MODEL, "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
-    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "a"}]}, 400,
-     "role"),
-    ("top_logprobs alone", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400, "logprobs"),
-    ("min_tokens > max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2,
-                                                    "min_tokens": 5}, 400, "min_tokens"),
+    (
+        "invalid utf-8",
+        "/v1/completions",
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "\xff\xfe"}',
+        400,
+        "parsing the body",
+    ),
+    ("lone surrogate", "/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "\\udc80"}', 400, "UTF-8"),
+    (
+        "unknown field",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "frobnicate": 1},
+        400,
+        "Unrecognized request argument supplied: frobnicate",
+    ),
+    (
+        "NaN temperature",
+        "/v1/completions",
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "a", "temperature": NaN}',
+        400,
+        "temperature",
+    ),
+    ("token id out of range", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "out of range"),
+    (
+        "image part",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages",
+    ),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "a"}]},
+        400,
+        "role",
+    ),
+    (
+        "top_logprobs alone",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+        400,
+        "logprobs",
+    ),
+    (
+        "min_tokens > max_tokens",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "max_tokens": 2, "min_tokens": 5},
+        400,
+        "min_tokens",
+    ),
     ("logit_bias", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"1": 5}}, 400, "logit_bias"),
-    ("tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                       "tools": [{"type": "function"}]}, 400, "tools"),
+    (
+        "tools",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+    ),
     ("unknown route", "/v1/embeddings", {"model": MODEL}, 404, "Not Found"),
 ]
 
@@ -460,11 +544,33 @@ def test_binary_serves_with_api_key_and_exits_0_on_sigterm(live, tmp_path):
     """The absl binary itself: flags, API key, a real SIGTERM mid-stream (drained), exit status 0. Compiles hit the
     persistent cache that the module's server filled (same shapes)."""
     port = _free_port()
-    flags = ["--port", str(port), "--api_key", "k3y", "--max_model_len", str(MAX_MODEL_LEN), "--max_num_seqs", "8",
-             "--max_num_batched_tokens", "64", "--attention_backend", "xla", "--decode_steps", "1",
-             "--log_level", "warning", "--compilation_cache_dir", CACHE_DIR]
-    proc = subprocess.Popen([sys.executable, "-m", "serving.server", *flags], cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    flags = [
+        "--port",
+        str(port),
+        "--api_key",
+        "k3y",
+        "--max_model_len",
+        str(MAX_MODEL_LEN),
+        "--max_num_seqs",
+        "8",
+        "--max_num_batched_tokens",
+        "64",
+        "--attention_backend",
+        "xla",
+        "--decode_steps",
+        "1",
+        "--log_level",
+        "warning",
+        "--compilation_cache_dir",
+        CACHE_DIR,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.server", *flags],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -479,9 +585,10 @@ def test_binary_serves_with_api_key_and_exits_0_on_sigterm(live, tmp_path):
             time.sleep(1)
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
         assert httpx.post(url + "/v1/completions", json=body).status_code == 401
-        text, lines = "", []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300,
-                          headers={"Authorization": "Bearer k3y"}) as r:
+        lines = []
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=body, timeout=300, headers={"Authorization": "Bearer k3y"}
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and not lines:
                     proc.send_signal(signal.SIGTERM)  # after the first chunk: the rest must still arrive
@@ -503,17 +610,38 @@ def test_binary_serves_with_api_key_and_exits_0_on_sigterm(live, tmp_path):
 def test_schemathesis_finds_no_server_error(live, tmp_path):
     """Property-based requests from the OpenAPI schema: any status but 5xx. Requests asking for many sequences are
     refused (max_queue 8) so that valid-but-huge ones stay short on CPU."""
+
     def served():  # 200s on the generation endpoints
         m = live.metrics()
-        return sum(m.get(f'pallas_serve_requests_total{{endpoint="{e}",status="200"}}', 0)
-                   for e in ("/v1/completions", "/v1/chat/completions"))
+        return sum(
+            m.get(f'pallas_serve_requests_total{{endpoint="{e}",status="200"}}', 0)
+            for e in ("/v1/completions", "/v1/chat/completions")
+        )
 
     before = served()
     live.state.engine.max_queue = 8
-    cmd = [os.path.join(os.path.dirname(sys.executable), "schemathesis"), "run", live.url + "/openapi.json",
-           "--checks", "not_a_server_error", "--max-examples", "12", "--phases", "examples,coverage,fuzzing",
-           "--max-time", "150", "--request-timeout", "200", "--generation-database", "none", "--seed", "1",
-           "--workers", "1", "--no-color"]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "schemathesis"),
+        "run",
+        live.url + "/openapi.json",
+        "--checks",
+        "not_a_server_error",
+        "--max-examples",
+        "12",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--max-time",
+        "150",
+        "--request-timeout",
+        "200",
+        "--generation-database",
+        "none",
+        "--seed",
+        "1",
+        "--workers",
+        "1",
+        "--no-color",
+    ]
     try:
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     finally:
@@ -528,8 +656,14 @@ def test_schemathesis_finds_no_server_error(live, tmp_path):
 
 
 def test_sigterm_drains_in_flight_requests(live):
-    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 40, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[2],
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     lines: list[str] = []
 
     def client():

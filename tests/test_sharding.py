@@ -17,14 +17,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from checkpoints.gguf import expected_shapes  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from sharding import mesh as mesh_lib  # noqa: E402
 from sharding import rules  # noqa: E402
 from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
-
 
 # Starts JAX's backend now if nobody has: with the flag above it then has 8 CPU devices.
 HAS_8_CPU_DEVICES = len(jax.devices("cpu")) >= 8
@@ -34,9 +34,14 @@ FRESH_PROCESS_TEST = "test_module_in_fresh_process"
 def run_in_fresh_process(module_file: str) -> None:
     """Runs the pytest module `module_file` in a new process with 8 forced CPU devices; fails on any failure."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module_file],
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(module_file))), env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module_file],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(module_file))),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
@@ -56,17 +61,22 @@ def test_module_in_fresh_process():
 
 def cpu_mesh(**degrees) -> jax.sharding.Mesh:
     parallel = ParallelConfig(**degrees)
-    return make_mesh(parallel, jax.devices("cpu")[:parallel.num_devices])
+    return make_mesh(parallel, jax.devices("cpu")[: parallel.num_devices])
 
 
-@pytest.mark.parametrize("degrees", [{}, {"tp": 2}, {"dp": 2, "tp": 2}, {"tp": 8}, {"dp": 2, "tp": 4},
-                                     {"dp": 2, "pp": 2, "ep": 1, "tp": 2}])
+@pytest.mark.parametrize(
+    "degrees", [{}, {"tp": 2}, {"dp": 2, "tp": 2}, {"tp": 8}, {"dp": 2, "tp": 4}, {"dp": 2, "pp": 2, "ep": 1, "tp": 2}]
+)
 def test_make_mesh(degrees):
     mesh = cpu_mesh(**degrees)
     parallel = ParallelConfig(**degrees)
     assert mesh.axis_names == mesh_lib.MESH_AXES
-    assert dict(mesh.shape) == {"data": parallel.dp, "pipeline": parallel.pp, "expert": parallel.ep,
-                                "tensor": parallel.tp}
+    assert dict(mesh.shape) == {
+        "data": parallel.dp,
+        "pipeline": parallel.pp,
+        "expert": parallel.ep,
+        "tensor": parallel.tp,
+    }
     assert mesh.devices.size == parallel.num_devices
     assert all(t == AxisType.Auto for t in mesh.axis_types)
 
@@ -87,20 +97,38 @@ def test_initialize_distributed_single_process_is_noop():
 def expected_spec(name: str, config: ModelConfig, tp: int) -> P:
     """The spec the rules should give, written out by hand: Megatron column/row splits, heads counted whole."""
     key = name.split(".")[-1]
-    splits = {"q": config.num_heads % tp == 0, "kv": config.num_kv_heads % tp == 0,
-              "mlp": config.intermediate_size % tp == 0, "vocab": config.vocab_size % tp == 0}
+    splits = {
+        "q": config.num_heads % tp == 0,
+        "kv": config.num_kv_heads % tp == 0,
+        "mlp": config.intermediate_size % tp == 0,
+        "vocab": config.vocab_size % tp == 0,
+    }
     t = lambda ok: "tensor" if ok and tp > 1 else None  # noqa: E731
-    table = {"embed": P(t(splits["vocab"]), None), "lm_head": P(None, t(splits["vocab"])),
-             "final_norm": P(None), "attn_norm": P(None), "mlp_norm": P(None),
-             "wq": P(None, t(splits["q"])), "wk": P(None, t(splits["kv"])), "wv": P(None, t(splits["kv"])),
-             "wo": P(t(splits["q"]), None), "w_gate": P(None, t(splits["mlp"])), "w_up": P(None, t(splits["mlp"])),
-             "w_down": P(t(splits["mlp"]), None), "bq": P(t(splits["q"])), "bk": P(t(splits["kv"])),
-             "bv": P(t(splits["kv"]))}
+    table = {
+        "embed": P(t(splits["vocab"]), None),
+        "lm_head": P(None, t(splits["vocab"])),
+        "final_norm": P(None),
+        "attn_norm": P(None),
+        "mlp_norm": P(None),
+        "wq": P(None, t(splits["q"])),
+        "wk": P(None, t(splits["kv"])),
+        "wv": P(None, t(splits["kv"])),
+        "wo": P(t(splits["q"]), None),
+        "w_gate": P(None, t(splits["mlp"])),
+        "w_up": P(None, t(splits["mlp"])),
+        "w_down": P(t(splits["mlp"]), None),
+        "bq": P(t(splits["q"])),
+        "bk": P(t(splits["kv"])),
+        "bv": P(t(splits["kv"])),
+    }
     return table[key]
 
 
-@pytest.mark.parametrize("config", [ModelConfig.tiny(attention_bias=True), ModelConfig.llama3_8b(),
-                                    ModelConfig.smollm2_135m()], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "config",
+    [ModelConfig.tiny(attention_bias=True), ModelConfig.llama3_8b(), ModelConfig.smollm2_135m()],
+    ids=lambda c: c.name,
+)
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_param_specs_every_canonical_param(config, tp):
     mesh = cpu_mesh(tp=tp)
@@ -151,8 +179,11 @@ def test_sharded_mlp_matches_unsharded():
     """Column-split w_gate/w_up and row-split w_down compute the same MLP as replicated weights."""
     config = ModelConfig.tiny()
     rng = np.random.default_rng(0)
-    params = {n: (0.1 * rng.standard_normal(s)).astype(np.float32) for n, s in expected_shapes(config).items()
-              if n.startswith("layers.0.w_")}
+    params = {
+        n: (0.1 * rng.standard_normal(s)).astype(np.float32)
+        for n, s in expected_shapes(config).items()
+        if n.startswith("layers.0.w_")
+    }
     mesh = cpu_mesh(dp=2, tp=4)
     sharded = rules.shard_params(params, mesh, head_dim=config.head_dim)
     assert sharded["layers.0.w_up"].addressable_shards[0].data.shape == (64, 24)
@@ -187,7 +218,7 @@ def test_attention_kernels_with_kv_heads_sharded(kernel):
     mesh = cpu_mesh(tp=4)
     k_pages, k_scales = _int8_pages(rng, hkv, num_pages, ps, d)
     v_pages, v_scales = _int8_pages(rng, hkv, num_pages, ps, d)
-    block_tables = jnp.asarray(rng.permutation(num_pages)[:3 * 8].reshape(3, 8), jnp.int32)
+    block_tables = jnp.asarray(rng.permutation(num_pages)[: 3 * 8].reshape(3, 8), jnp.int32)
     kv_lens = jnp.asarray([37, 1, 128], jnp.int32)
     page_spec, head_spec = rules.kv_cache_sharding(k_pages.shape, mesh).spec, P(None, "tensor", None)
     scale_spec = rules.kv_cache_sharding(k_scales.shape, mesh).spec
@@ -205,12 +236,23 @@ def test_attention_kernels_with_kv_heads_sharded(kernel):
     def per_device(q, k, v, ks, vs, *rest):
         return fn(q, k, v, *rest, k_scales=ks, v_scales=vs, backend="interpret")
 
-    sharded = jax.jit(jax.shard_map(
-        per_device, mesh=mesh, in_specs=(head_spec, page_spec, page_spec, scale_spec, scale_spec)
-        + (P(),) * len(extra), out_specs=head_spec))
+    sharded = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(head_spec, page_spec, page_spec, scale_spec, scale_spec) + (P(),) * len(extra),
+            out_specs=head_spec,
+        )
+    )
     put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
-    out = sharded(put(q, head_spec), put(k_pages, page_spec), put(v_pages, page_spec), put(k_scales, scale_spec),
-                  put(v_scales, scale_spec), *extra)
+    out = sharded(
+        put(q, head_spec),
+        put(k_pages, page_spec),
+        put(v_pages, page_spec),
+        put(k_scales, scale_spec),
+        put(v_scales, scale_spec),
+        *extra,
+    )
     assert out.sharding.spec == head_spec
     live = slice(None) if kernel == "paged" else slice(0, 9)
     out = np.asarray(out)[live]
@@ -219,7 +261,6 @@ def test_attention_kernels_with_kv_heads_sharded(kernel):
     ref = np.asarray(ref_fn(q, k_pages, v_pages, *extra, k_scales=k_scales, v_scales=v_scales))[live]
     assert np.all(np.isfinite(out))
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2  # int8 pages dequantised to bf16 for the MMAs
-
 
 
 def test_flash_attention_and_grads_with_heads_sharded():
@@ -249,7 +290,8 @@ def test_flash_attention_and_grads_with_heads_sharded():
 
     out = jax.jit(jax.shard_map(forward, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))(put(q), put(k), put(v))
     got = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 3, check_vma=False))(
-        put(q), put(k), put(v), put(do))
+        put(q), put(k), put(v), put(do)
+    )
     for g, w in zip((out,) + got, (forward(q, k, v),) + grads(q, k, v, do)):
         assert g.sharding.spec == spec
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

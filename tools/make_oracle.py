@@ -153,10 +153,19 @@ def read_gguf_metadata(path):
     """Returns the GGUF key/values the fixture records (scalars and the chat template)."""
     reader = gguf.GGUFReader(path)
     wanted = [
-        "general.architecture", "llama.rope.freq_base", "llama.context_length", "llama.vocab_size",
-        "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token",
-        "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.chat_template",
+        "general.architecture",
+        "llama.rope.freq_base",
+        "llama.context_length",
+        "llama.vocab_size",
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.add_space_prefix",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.chat_template",
     ]
     return {key: reader.fields[key].contents() for key in wanted if key in reader.fields}
 
@@ -164,10 +173,12 @@ def read_gguf_metadata(path):
 def smollm2_tokenizer(hf_tok):
     """Copies HF's backend tokenizer with SmolLM2's real pre-tokenizer (isolate digits, then GPT-2 regex)."""
     backend = copy.deepcopy(hf_tok.backend_tokenizer)
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
     return backend
 
 
@@ -176,7 +187,8 @@ def load(gguf_path):
     folder, name = os.path.split(os.path.abspath(gguf_path))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, local_files_only=True, dtype=torch.float32, attn_implementation="eager")
+        folder, gguf_file=name, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
     rope = model.config.rope_parameters
     notes = {"rope_theta_as_loaded": float(rope.get("rope_theta", float("nan")))}
@@ -187,7 +199,7 @@ def load(gguf_path):
     head_dim = model.config.head_dim
     expected = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if not torch.allclose(inv_freq, expected, rtol=1e-6):
-        raise RuntimeError("rotary inv_freq does not match theta=%g" % ROPE_THETA)
+        raise RuntimeError(f"rotary inv_freq does not match theta={ROPE_THETA:g}")
     notes["rope_theta_used"] = ROPE_THETA
     return tok, model, notes
 
@@ -228,8 +240,12 @@ def greedy(model, logits_last, cache, num_tokens, steps):
         margins.append(float(top2.values[0] - top2.values[1]))
         if step + 1 == steps:
             break
-        out = model(input_ids=torch.tensor([[ids[-1]]]), cache=cache, use_cache=True,
-                    position_ids=torch.tensor([[num_tokens + step]]))
+        out = model(
+            input_ids=torch.tensor([[ids[-1]]]),
+            cache=cache,
+            use_cache=True,
+            position_ids=torch.tensor([[num_tokens + step]]),
+        )
         step_logits.append(out.logits[0, -1].float())
         cache = out.cache
     return ids, margins, torch.stack(step_logits)
@@ -241,7 +257,7 @@ def check_greedy(model, ids, greedy_ids, margins, step_logits):
     Returns the max |cached - uncached| logit over the greedy steps.
     """
     full_logits, _ = forward(model, ids + greedy_ids[:-1])
-    full_steps = full_logits[len(ids) - 1:]  # [steps, V]: predicts greedy_ids[0..steps-1]
+    full_steps = full_logits[len(ids) - 1 :]  # [steps, V]: predicts greedy_ids[0..steps-1]
     diff = float((full_steps - step_logits).abs().max())
     for step, (token, margin) in enumerate(zip(greedy_ids, margins)):
         if margin > 1e-3 and int(full_steps[step].argmax()) != token:
@@ -298,9 +314,15 @@ def tokenizer_cases(hf_tok, smol_tok):
     cases = []
     for text in TOKENIZER_CASES:
         ids, hf_ids = tokenize(hf_tok, smol_tok, text)
-        cases.append({"text": text, "ids": ids, "hf_gguf_ids": hf_ids,
-                      "tokens": smol_tok.encode(text, add_special_tokens=False).tokens,
-                      "decoded": hf_tok.decode(ids, skip_special_tokens=False)})
+        cases.append(
+            {
+                "text": text,
+                "ids": ids,
+                "hf_gguf_ids": hf_ids,
+                "tokens": smol_tok.encode(text, add_special_tokens=False).tokens,
+                "decoded": hf_tok.decode(ids, skip_special_tokens=False),
+            }
+        )
     return cases
 
 
@@ -321,17 +343,30 @@ def describe(args, gguf_meta, hf_tok, model, notes):
         "generator": "tools/make_oracle.py",
         "gguf_file": os.path.basename(args.gguf),
         "gguf_sha256": sha256(args.gguf),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "gguf": importlib.metadata.version("gguf"),
-                     "tokenizers": tokenizers.__version__, "numpy": np.__version__},
-        "device": "cpu", "dtype": "float32", "attn_implementation": "eager",
-        "config": {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-                   "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-                   "num_attention_heads": cfg.num_attention_heads,
-                   "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-                   "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": dict(cfg.rope_parameters),
-                   "tie_word_embeddings": cfg.tie_word_embeddings,
-                   "max_position_embeddings": cfg.max_position_embeddings},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "gguf": importlib.metadata.version("gguf"),
+            "tokenizers": tokenizers.__version__,
+            "numpy": np.__version__,
+        },
+        "device": "cpu",
+        "dtype": "float32",
+        "attn_implementation": "eager",
+        "config": {
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_parameters": dict(cfg.rope_parameters),
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "max_position_embeddings": cfg.max_position_embeddings,
+        },
         "rope": notes,
         "gguf_metadata": {k: v for k, v in gguf_meta.items() if k != "tokenizer.chat_template"},
         "chat_template": gguf_meta.get("tokenizer.chat_template"),
@@ -340,16 +375,21 @@ def describe(args, gguf_meta, hf_tok, model, notes):
         "tokenizer": {
             "add_special_tokens": False,
             "hf_prepends_bos": False,
-            "bos_token": hf_tok.bos_token, "bos_token_id": hf_tok.bos_token_id,
-            "eos_token": hf_tok.eos_token, "eos_token_id": hf_tok.eos_token_id,
+            "bos_token": hf_tok.bos_token,
+            "bos_token_id": hf_tok.bos_token_id,
+            "eos_token": hf_tok.eos_token,
+            "eos_token_id": hf_tok.eos_token_id,
             "special_tokens_in_text": "parsed as single special ids (e.g. <|im_start|> -> 1)",
             "hf_gguf_pre_tokenizer": backend["pre_tokenizer"],
             "fixture_pre_tokenizer": "Sequence[Digits(individual_digits=True), ByteLevel(add_prefix_space="
-                                     "False, trim_offsets=True, use_regex=True)] (SmolLM2 / llama.cpp smollm)",
+            "False, trim_offsets=True, use_regex=True)] (SmolLM2 / llama.cpp smollm)",
             "ids_note": "'ids' are fed to the model; 'hf_gguf_ids' are what the stock HF-GGUF tokenizer gives",
         },
-        "greedy": {"steps": NUM_GREEDY, "rule": "argmax of float32 logits, KV cache, no EOS stop; step 0 "
-                   "is the argmax at the prompt's last position"},
+        "greedy": {
+            "steps": NUM_GREEDY,
+            "rule": "argmax of float32 logits, KV cache, no EOS stop; step 0 "
+            "is the argmax at the prompt's last position",
+        },
         "npz_keys": {
             "<p>.ids": "[T] int32 prompt ids fed to the model",
             "<p>.positions": "[P] int32 positions whose full logits are stored",
@@ -359,7 +399,7 @@ def describe(args, gguf_meta, hf_tok, model, notes):
             "<p>.greedy_ids": f"[{NUM_GREEDY}] int32 greedy continuation",
             "<p>.greedy_margin": f"[{NUM_GREEDY}] float32 top1 - top2 logit at each greedy step",
             "weights.l0_{q,k}_proj_rows0_128_cols0_64": "[128, 64] float32 HF layout [out, in] (canonical "
-                                                        "wq/wk = weight.T); Q/K rows already un-permuted",
+            "wq/wk = weight.T); Q/K rows already un-permuted",
             "weights.embed_rows0_4": "[4, D] float32 dequantised embedding rows 0..3",
         },
     }
@@ -372,14 +412,16 @@ def main():
     torch.manual_seed(0)
     gguf_meta = read_gguf_metadata(args.gguf)
     if gguf_meta.get("llama.rope.freq_base") != ROPE_THETA:
-        raise RuntimeError(f"expected llama.rope.freq_base {ROPE_THETA}, GGUF has "
-                           f"{gguf_meta.get('llama.rope.freq_base')}")
+        raise RuntimeError(
+            f"expected llama.rope.freq_base {ROPE_THETA}, GGUF has {gguf_meta.get('llama.rope.freq_base')}"
+        )
     hf_tok, model, notes = load(args.gguf)
     smol_tok = smollm2_tokenizer(hf_tok)
     arrays = {}
     header = describe(args, gguf_meta, hf_tok, model, notes)
-    header["prompts"] = [run_prompt(model, hf_tok, smol_tok, name, text, extra, arrays)
-                         for name, text, extra in build_prompts(hf_tok)]
+    header["prompts"] = [
+        run_prompt(model, hf_tok, smol_tok, name, text, extra, arrays) for name, text, extra in build_prompts(hf_tok)
+    ]
     header["tokenizer_cases"] = tokenizer_cases(hf_tok, smol_tok)
     reference_weights(model, arrays)
     out = pathlib.Path(args.out)
@@ -389,10 +431,12 @@ def main():
         json.dump(header, f, indent=1, ensure_ascii=False)
         f.write("\n")
     for prompt in header["prompts"]:
-        print(f"{prompt['name']}: {prompt['num_tokens']} tokens, ids_match_hf_gguf="
-              f"{prompt['ids_match_hf_gguf']}, min margin {prompt['greedy_min_margin']:.3f}, cached vs "
-              f"uncached {prompt['greedy_cached_vs_uncached_max_abs_logit_diff']:.2e}\n"
-              f"  greedy: {prompt['greedy_text']!r}")
+        print(
+            f"{prompt['name']}: {prompt['num_tokens']} tokens, ids_match_hf_gguf="
+            f"{prompt['ids_match_hf_gguf']}, min margin {prompt['greedy_min_margin']:.3f}, cached vs "
+            f"uncached {prompt['greedy_cached_vs_uncached_max_abs_logit_diff']:.2e}\n"
+            f"  greedy: {prompt['greedy_text']!r}"
+        )
 
 
 if __name__ == "__main__":

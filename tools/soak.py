@@ -27,8 +27,15 @@ import time
 import httpx
 from absl import app, flags
 
-from serving.local_server import (StreamError, free_port, read_metrics, sse_chunks, start_server, stop_server,
-                                  wait_healthy)
+from benchmarks.local_server import (
+    StreamError,
+    free_port,
+    read_metrics,
+    sse_chunks,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("duration_s", 600.0, "how long requests are sent")
@@ -44,11 +51,20 @@ flags.DEFINE_float("startup_timeout_s", 1800.0, "how long the server may take to
 flags.DEFINE_float("request_timeout_s", 300.0, "client timeout per request")
 flags.DEFINE_string("out", None, "write the JSON summary here too")
 
-_PREFIXES = ["You are a helpful assistant. Answer briefly and precisely. ",
-             "The following is a short story about a lighthouse keeper and the sea. "]
-_QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about rain.",
-              "Explain what a hash table is.", "Count from one to five.", "Why is the sky blue?",
-              "Give me a synonym for happy.", "What is 12 times 12?"]
+_PREFIXES = [
+    "You are a helpful assistant. Answer briefly and precisely. ",
+    "The following is a short story about a lighthouse keeper and the sea. ",
+]
+_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write a haiku about rain.",
+    "Explain what a hash table is.",
+    "Count from one to five.",
+    "Why is the sky blue?",
+    "Give me a synonym for happy.",
+    "What is 12 times 12?",
+]
 
 
 @dataclasses.dataclass
@@ -67,8 +83,7 @@ def make_request(rng: random.Random) -> tuple[str, dict, bool, bool]:
     stream = rng.random() < FLAGS.stream_fraction
     hang_up = stream and rng.random() < FLAGS.cancel_fraction
     prefix, question = rng.choice(_PREFIXES), rng.choice(_QUESTIONS)
-    body = {"model": FLAGS.model_name, "max_tokens": rng.randint(FLAGS.min_tokens, FLAGS.max_tokens),
-            "stream": stream}
+    body = {"model": FLAGS.model_name, "max_tokens": rng.randint(FLAGS.min_tokens, FLAGS.max_tokens), "stream": stream}
     if rng.random() < 0.5:
         body["temperature"] = 0.0
     else:
@@ -76,8 +91,12 @@ def make_request(rng: random.Random) -> tuple[str, dict, bool, bool]:
     if stream:
         body["stream_options"] = {"include_usage": True}
     if rng.random() < 0.5:
-        return "/v1/chat/completions", body | {"messages": [{"role": "system", "content": prefix},
-                                                             {"role": "user", "content": question}]}, stream, hang_up
+        return (
+            "/v1/chat/completions",
+            body | {"messages": [{"role": "system", "content": prefix}, {"role": "user", "content": question}]},
+            stream,
+            hang_up,
+        )
     return "/v1/completions", body | {"prompt": prefix + question}, stream, hang_up
 
 
@@ -91,9 +110,13 @@ async def run_one(client: httpx.AsyncClient, path: str, body: dict, stream: bool
                 return Result(kind, False, error=f"HTTP {r.status_code}: {r.text[:200]}")
             data = r.json()
             ok = all(c.get("finish_reason") in ("stop", "length") for c in data["choices"])
-            return Result(kind, ok, latency_s=time.perf_counter() - t0,
-                          completion_tokens=data["usage"]["completion_tokens"],
-                          error=None if ok else f"bad finish: {data['choices']}")
+            return Result(
+                kind,
+                ok,
+                latency_s=time.perf_counter() - t0,
+                completion_tokens=data["usage"]["completion_tokens"],
+                error=None if ok else f"bad finish: {data['choices']}",
+            )
         return await _run_stream(client, kind, path, body, hang_up, t0)
     except (httpx.HTTPError, KeyError, ValueError) as e:
         return Result(kind, False, latency_s=time.perf_counter() - t0, error=f"{type(e).__name__}: {e}")
@@ -116,9 +139,14 @@ async def _run_stream(client, kind, path, body, hang_up, t0) -> Result:
         except StreamError as e:
             return Result(kind, False, error=str(e))
     ok = done and finished and usage is not None
-    return Result(kind, ok, latency_s=time.perf_counter() - t0, ttft_s=ttft,
-                  completion_tokens=usage["completion_tokens"] if usage else 0,
-                  error=None if ok else f"incomplete stream (done={done}, finished={finished})")
+    return Result(
+        kind,
+        ok,
+        latency_s=time.perf_counter() - t0,
+        ttft_s=ttft,
+        completion_tokens=usage["completion_tokens"] if usage else 0,
+        error=None if ok else f"incomplete stream (done={done}, finished={finished})",
+    )
 
 
 async def soak(url: str) -> tuple[list[Result], float]:
@@ -151,19 +179,26 @@ def summarize(results: list[Result], wall: float, metrics: dict, exit_code, star
     used = metrics.get("pallas_serve_kv_blocks_used")
     cached = metrics.get("pallas_serve_kv_blocks_cached")
     return {
-        "duration_s": FLAGS.duration_s, "rate_per_s": FLAGS.rate, "wall_s": round(wall, 1),
-        "server_startup_s": startup_s, "requests_sent": len(results), "completed": len(done),
-        "failed": len(failed), "cancelled_on_purpose": sum(r.cancelled for r in results),
+        "duration_s": FLAGS.duration_s,
+        "rate_per_s": FLAGS.rate,
+        "wall_s": round(wall, 1),
+        "server_startup_s": startup_s,
+        "requests_sent": len(results),
+        "completed": len(done),
+        "failed": len(failed),
+        "cancelled_on_purpose": sum(r.cancelled for r in results),
         "failure_samples": [f"{r.kind}: {r.error}" for r in failed[:5]],
         "latency_s": {k: percentile(lat, q) for k, q in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},
         "stream_ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
         "completion_tokens": sum(r.completion_tokens for r in done),
-        "kv_blocks_used_end": used, "kv_blocks_prefix_cache_end": cached,
+        "kv_blocks_used_end": used,
+        "kv_blocks_prefix_cache_end": cached,
         "kv_blocks_in_requests_end": metrics.get("pallas_serve_kv_blocks_in_requests"),
         "running_end": metrics.get("pallas_serve_running_sequences"),
         "queue_end": metrics.get("pallas_serve_queue_length"),
         "prefix_cache_hit_rate": metrics.get("pallas_serve_prefix_cache_hit_rate"),
-        "preemptions": metrics.get("pallas_serve_preemptions"), "server_exit_code": exit_code,
+        "preemptions": metrics.get("pallas_serve_preemptions"),
+        "server_exit_code": exit_code,
     }
 
 

@@ -52,7 +52,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int):
         """Args:
-            num_blocks: pages in the device pool, including the null page (so at least 2).
+        num_blocks: pages in the device pool, including the null page (so at least 2).
         """
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null page), got {num_blocks}")

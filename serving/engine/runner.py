@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -78,9 +78,18 @@ class ModelRunner:
       kv_dtype: KV page dtype (default the model's dtype).
     """
 
-    def __init__(self, model: Transformer, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, attention_backend: str | None = None,
-                 kv_dtype=None):
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        attention_backend: str | None = None,
+        kv_dtype=None,
+    ):
         self.cfg = model.cfg
         self.graphdef, self.params = nnx.split(model)
         self.block_size = block_size
@@ -95,8 +104,9 @@ class ModelRunner:
         gathers = resolve_backend(attention_backend, "ragged_paged_attention") in ("xla", "interpret")
         self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
         self.kv_dtype = kv_dtype or model.dtype
-        self.kv_cache = init_paged_cache(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads,
-                                         self.cfg.head_dim, self.kv_dtype)
+        self.kv_cache = init_paged_cache(
+            self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim, self.kv_dtype
+        )
         self.num_blocks = num_blocks
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
@@ -134,8 +144,7 @@ class ModelRunner:
                 new_tok, lp, _, _ = sample(logits[0], st_i, banned_ids_bn=banned[i])
                 return new_tok, pos + 1, kv, out_tok.at[i].set(new_tok), out_lp.at[i].set(lp)
 
-            init = (tokens, positions, kv, jnp.zeros((num_steps, s), jnp.int32),
-                    jnp.zeros((num_steps, s), jnp.float32))
+            init = (tokens, positions, kv, jnp.zeros((num_steps, s), jnp.int32), jnp.zeros((num_steps, s), jnp.float32))
             _, _, kv, out_tok, out_lp = jax.lax.fori_loop(0, num_steps, body, init)
             return out_tok, out_lp, kv
 
@@ -215,15 +224,15 @@ class ModelRunner:
             table = np.asarray(r.block_table, np.int32)
             if len(table) * self.block_size < r.start + n:
                 raise ValueError(f"row {i}: block table covers {len(table) * self.block_size} < {r.start + n} tokens")
-            tokens[off:off + n] = r.token_ids
-            positions[off:off + n] = pos
-            slots[off:off + n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
-            tables[i, :len(table)] = table
+            tokens[off : off + n] = r.token_ids
+            positions[off : off + n] = pos
+            slots[off : off + n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            tables[i, : len(table)] = table
             kv_lens[i] = r.start + n
             off += n
             cu[i + 1] = off
             logits_idx[i] = off - 1
-        cu[len(rows) + 1:] = off
+        cu[len(rows) + 1 :] = off
         arrays = (tokens, positions, slots, tables, kv_lens, cu, np.int32(len(rows)), logits_idx)
         return arrays, (t, s, w, decode_only)
 
@@ -234,8 +243,14 @@ class ModelRunner:
         logits, self.kv_cache = exe(self.params, self.kv_cache, *arrays)
         return logits
 
-    def decode_loop(self, rows: Sequence[RowInput], num_steps: int, st: SamplingTensors,
-                    banned: np.ndarray, limits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def decode_loop(
+        self,
+        rows: Sequence[RowInput],
+        num_steps: int,
+        st: SamplingTensors,
+        banned: np.ndarray,
+        limits: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """`num_steps` decode steps on device; row i computes limits[i] (default num_steps) of them and its table
         must cover start + limits[i] positions. Tokens past a row's limit are junk.
 
@@ -247,17 +262,18 @@ class ModelRunner:
         positions = np.zeros(s, np.int32)
         tables = np.zeros((s, w), np.int32)
         row_limits = np.zeros(s, np.int32)
-        row_limits[:len(rows)] = num_steps if limits is None else limits
+        row_limits[: len(rows)] = num_steps if limits is None else limits
         for i, r in enumerate(rows):
             tokens[i], positions[i] = r.token_ids[0], r.start
-            tables[i, :len(r.block_table)] = r.block_table
+            tables[i, : len(r.block_table)] = r.block_table
         st = pad_sampling(st, s)
         banned_full = np.full((num_steps, s, self._max_banned), -1, np.int32)
-        banned_full[:, :len(rows), :banned.shape[-1]] = banned[:, :, :self._max_banned]
+        banned_full[:, : len(rows), : banned.shape[-1]] = banned[:, :, : self._max_banned]
         exe = self._get_loop(num_steps, s, w)
-        out_tok, out_lp, self.kv_cache = exe(self.params, self.kv_cache, tokens, positions, tables, row_limits, st,
-                                             banned_full)
-        return np.asarray(out_tok)[:, :len(rows)], np.asarray(out_lp)[:, :len(rows)]
+        out_tok, out_lp, self.kv_cache = exe(
+            self.params, self.kv_cache, tokens, positions, tables, row_limits, st, banned_full
+        )
+        return np.asarray(out_tok)[:, : len(rows)], np.asarray(out_lp)[:, : len(rows)]
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: page dst := page src in every layer."""
@@ -283,4 +299,4 @@ def pad_sampling(st: SamplingTensors, s: int) -> SamplingTensors:
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample_rows(logits, st, output_ids, prompt_ids, banned, num_logprobs: int = 0):
     """Jitted sampler over the first len(st) rows of logits."""
-    return sample(logits[:st.temperature.shape[0]], st, output_ids, prompt_ids, banned, num_logprobs=num_logprobs)
+    return sample(logits[: st.temperature.shape[0]], st, output_ids, prompt_ids, banned, num_logprobs=num_logprobs)

@@ -72,28 +72,44 @@ class SamplingParams:
         Raises:
             ValueError: naming the offending field and value.
         """
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_finite(self.temperature) and self.temperature >= 0,
-               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _finite(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {self.temperature!r}",
+        )
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}",
+        )
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}")
-        _check(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be a tuple of non-empty strings, got {self.stop!r}")
-        _check(isinstance(self.stop_token_ids, tuple) and all(_is_token(t) for t in self.stop_token_ids),
-               f"stop_token_ids must be a tuple of non-negative ints, got {self.stop_token_ids!r}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-               f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-               f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        _check(
+            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a tuple of non-empty strings, got {self.stop!r}",
+        )
+        _check(
+            isinstance(self.stop_token_ids, tuple) and all(_is_token(t) for t in self.stop_token_ids),
+            f"stop_token_ids must be a tuple of non-negative ints, got {self.stop_token_ids!r}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",
+        )
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         return self
 
@@ -217,3 +233,16 @@ class RequestOutput:
     text: str = ""
     new_logprobs: list[Any] | None = None
     finish_message: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion: text, generated token ids, why it ended, and per-token logprobs."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[float] | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)

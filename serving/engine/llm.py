@@ -1,18 +1,17 @@
 """The public Python API: `from serving import LLM`.
 
-    llm = LLM()                                    # the embedded SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello"], max_tokens=32)  # texts and token ids
-    logits = llm.score([1, 2, 3])                  # float32 [len, vocab]
+llm = LLM()                                    # the embedded SmolLM2-135M-Instruct
+outs = llm.generate(["Hello"], max_tokens=32)  # texts and token ids
+logits = llm.score([1, 2, 3])                  # float32 [len, vocab]
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -20,21 +19,10 @@ from flax import nnx
 from checkpoints.loader import Checkpoint, load_checkpoint
 from model.kv import NoCache
 from model.transformer import Transformer, build_model
+from serving.core.request import CompletionOutput
+from serving.engine.engine import LLMEngine
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-    """One completion: text, generated token ids, why it ended, and per-token logprobs."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    logprobs: list[float] | None = None
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def parse_dtype(dtype: Any):
@@ -62,8 +50,9 @@ class LLM:
         num_kv_blocks, enable_prefix_caching, kv_cache_memory_fraction, ...).
     """
 
-    def __init__(self, model: str | None = None, *, dtype: Any = "float32", max_model_len: int | None = None,
-                 **engine_options):
+    def __init__(
+        self, model: str | None = None, *, dtype: Any = "float32", max_model_len: int | None = None, **engine_options
+    ):
         t0 = time.perf_counter()
         ckpt: Checkpoint = load_checkpoint(model)
         if ckpt.tokenizer is None:
@@ -72,8 +61,9 @@ class LLM:
         self.tokenizer = ckpt.tokenizer
         self.dtype = parse_dtype(dtype)
         self.model = build_model(ckpt.config, ckpt.params, self.dtype)
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        self.max_model_len = min(
+            max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
         self.engine_options = engine_options
         self._engine = None
         self.load_seconds = time.perf_counter() - t0
@@ -104,16 +94,24 @@ class LLM:
     @property
     def engine(self):
         if self._engine is None:
-            from serving.engine import LLMEngine
-
-            self._engine = LLMEngine(self.model, self.tokenizer, max_model_len=self.max_model_len,
-                                     **self.engine_options)
+            self._engine = LLMEngine(
+                self.model, self.tokenizer, max_model_len=self.max_model_len, **self.engine_options
+            )
         return self._engine
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_tokens: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 chat: bool = False, use_reference: bool = False, progress=None,
-                 **sampling) -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        chat: bool = False,
+        use_reference: bool = False,
+        progress=None,
+        **sampling,
+    ) -> list[CompletionOutput]:
         """Generates a completion per prompt.
 
         Args:
@@ -133,21 +131,30 @@ class LLM:
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.encode_prompt(p, chat) for p in prompts]
         if use_reference:
-            outs = self._generate_reference(texts, ids, max_tokens, temperature, top_p, top_k, seed,
-                                            sampling.get("ignore_eos", False))
+            outs = self._generate_reference(
+                texts, ids, max_tokens, temperature, top_p, top_k, seed, sampling.get("ignore_eos", False)
+            )
             if progress is not None:
                 progress(len(outs), len(outs), sum(len(o.token_ids) for o in outs))
             return outs
-        return self.engine.generate(texts, ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, seed=seed, progress=progress, **sampling)
+        return self.engine.generate(
+            texts,
+            ids,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            progress=progress,
+            **sampling,
+        )
 
     def _generate_reference(self, texts, ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos):
-        from serving.reference_generate import generate_reference
+        from serving.engine.reference import generate_reference
 
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        rows = [dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=(seed or 0) + i)
-                for i in range(len(ids))]
+        rows = [dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=(seed or 0) + i) for i in range(len(ids))]
         t0 = time.perf_counter()
         stop_ids = () if ignore_eos else self.config.eos_token_ids
         out = generate_reference(self.model, ids, rows, [max_tokens] * len(ids), stop_ids, self.max_model_len)
@@ -155,6 +162,15 @@ class LLM:
         results = []
         for text, prompt_ids, gen, lps in zip(texts, ids, out.token_ids, out.logprobs):
             stopped = bool(gen) and gen[-1] in stop_ids
-            results.append(CompletionOutput(text, prompt_ids, self.tokenizer.decode(gen), gen,
-                                            "stop" if stopped else "length", lps, {"seconds": elapsed}))
+            results.append(
+                CompletionOutput(
+                    text,
+                    prompt_ids,
+                    self.tokenizer.decode(gen),
+                    gen,
+                    "stop" if stopped else "length",
+                    lps,
+                    {"seconds": elapsed},
+                )
+            )
         return results

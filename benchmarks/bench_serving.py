@@ -1,4 +1,4 @@
-"""Online serving benchmark over HTTP (the `serving` mode of serving/bench.py), after vLLM's benchmark_serving.
+"""Online serving benchmark over HTTP (the `serving` mode of benchmarks/bench.py), after vLLM's benchmark_serving.
 
     workload (ShareGPT-like / fixed / JSONL) --> arrivals (Poisson at a rate, or all at once)
         --> [at most max_concurrency in flight] --> streaming POST /v1/completions per request
@@ -18,7 +18,7 @@ Throughputs divide by the wall time from the first send to the last completion (
 
 Bounded: at most `num_requests` are sent, none after `duration_s`, and requests still in flight at `duration_s`
 are cancelled and counted as `cut_by_duration`, so sent = completed + failed + cut_by_duration. Only loopback
-servers are accepted (serving.local_server.check_loopback_url).
+servers are accepted (benchmarks.local_server.check_loopback_url).
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ import os
 import subprocess
 import time
 
-
 import httpx
 import numpy as np
 
-from serving import local_server
-from serving.local_server import StreamError, check_loopback_url, read_metrics, sse_chunks
+from benchmarks import local_server
+from benchmarks.local_server import StreamError, check_loopback_url, read_metrics, sse_chunks
 
 # Random prompt ids are drawn from here: above the special tokens of common vocabularies, below their sizes.
 TOKEN_ID_RANGE = (100, 30000)
@@ -84,6 +83,7 @@ class ServingBenchConfig:
 
 # Workloads ---------------------------------------------------------------------------------------------------------
 
+
 def _random_ids(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(*TOKEN_ID_RANGE, n).tolist()
 
@@ -92,8 +92,16 @@ def _lognormal(rng: np.random.Generator, n: int, median: int, sigma: float, lo: 
     return np.clip(np.round(np.exp(rng.normal(np.log(median), sigma, n))), lo, hi).astype(int)
 
 
-def sharegpt_like(n: int, seed: int, input_median: int, input_sigma: float, input_max: int, output_median: int,
-                  output_sigma: float, output_max: int) -> list[BenchRequest]:
+def sharegpt_like(
+    n: int,
+    seed: int,
+    input_median: int,
+    input_sigma: float,
+    input_max: int,
+    output_median: int,
+    output_sigma: float,
+    output_max: int,
+) -> list[BenchRequest]:
     """ShareGPT-like lengths: log-normal input and output lengths (heavy right tail), clipped to [4, input_max]
     and [1, output_max], over random token ids."""
     rng = np.random.default_rng(seed)
@@ -136,7 +144,7 @@ def _parse_line(line: str, where: str, default_max_tokens: int) -> BenchRequest:
     prompt = item.get("prompt") if isinstance(item, dict) else None
     ids_ok = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
     if not ((isinstance(prompt, str) and prompt) or ids_ok):
-        raise ValueError(f"{where}: expected {{\"prompt\": non-empty str or token ids, \"max_tokens\": int}}")
+        raise ValueError(f'{where}: expected {{"prompt": non-empty str or token ids, "max_tokens": int}}')
     max_tokens = item.get("max_tokens", default_max_tokens)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {max_tokens!r}")
@@ -144,6 +152,7 @@ def _parse_line(line: str, where: str, default_max_tokens: int) -> BenchRequest:
 
 
 # Driving the server ------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class RequestResult:
@@ -198,8 +207,15 @@ async def _stream_one(client: httpx.AsyncClient, body: dict, res: RequestResult)
 
 
 def _body(model: str, req: BenchRequest, ignore_eos: bool) -> dict:
-    return {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    return {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
 
 
 async def _one(client, sem, body: dict, res: RequestResult, t_start: float) -> None:
@@ -216,8 +232,9 @@ async def _drive(cfg: ServingBenchConfig, model: str, requests: list[BenchReques
     rng = np.random.default_rng(cfg.seed + 1)
     sem = asyncio.Semaphore(cfg.max_concurrency or len(requests))
     limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=cfg.request_timeout_s, limits=limits,
-                                 headers=_auth(cfg)) as client:
+    async with httpx.AsyncClient(
+        base_url=cfg.base_url, timeout=cfg.request_timeout_s, limits=limits, headers=_auth(cfg)
+    ) as client:
         t0 = time.perf_counter()
         deadline = t0 + cfg.duration_s
         due, tasks, results = t0, [], []
@@ -264,18 +281,24 @@ def run(cfg: ServingBenchConfig, requests: list[BenchRequest]) -> dict:
     if not warm.ok:
         raise RuntimeError(f"the warm-up request failed: {warm.error}")
     before = read_metrics(cfg.base_url)
-    results, wall = asyncio.run(_drive(cfg, model, requests[:cfg.num_requests]))
+    results, wall = asyncio.run(_drive(cfg, model, requests[: cfg.num_requests]))
     after = read_metrics(cfg.base_url)
     summary = summarize(cfg, results, wall, min(cfg.num_requests, len(requests)))
     summary["served_model"] = model
-    summary["server"] = {k: after.get(f"pallas_serve_{k}", 0.0) - before.get(f"pallas_serve_{k}", 0.0)
-                         for k in ("engine_steps", "preemptions")}
+    summary["server"] = {
+        k: after.get(f"pallas_serve_{k}", 0.0) - before.get(f"pallas_serve_{k}", 0.0)
+        for k in ("engine_steps", "preemptions")
+    }
     summary["server"]["prefix_cache_hit_rate"] = after.get("pallas_serve_prefix_cache_hit_rate")
     return summary
 
 
-def bench(cfg: ServingBenchConfig, requests: list[BenchRequest], server_args: list[str] = (),
-          startup_timeout_s: float = 1800.0) -> dict:
+def bench(
+    cfg: ServingBenchConfig,
+    requests: list[BenchRequest],
+    server_args: list[str] = (),
+    startup_timeout_s: float = 1800.0,
+) -> dict:
     """`run` against cfg.base_url, or against a server started with `server_args` on a free loopback port (when
     base_url is None), which is stopped afterwards (SIGTERM; its exit status is reported)."""
     if cfg.base_url is not None:
@@ -289,8 +312,12 @@ def bench(cfg: ServingBenchConfig, requests: list[BenchRequest], server_args: li
         results = run(cfg, requests)
     finally:
         exit_code = local_server.stop_server(proc)
-    return results | dict(base_url="self-started on 127.0.0.1", server_args=list(server_args),
-                          server_startup_s=startup_s, server_exit_code=exit_code)
+    return results | dict(
+        base_url="self-started on 127.0.0.1",
+        server_args=list(server_args),
+        server_startup_s=startup_s,
+        server_exit_code=exit_code,
+    )
 
 
 def host_device() -> str:
@@ -313,13 +340,19 @@ async def _one_client(cfg: ServingBenchConfig, body: dict, res: RequestResult) -
 
 # Metrics -----------------------------------------------------------------------------------------------------------
 
+
 def stats_ms(values_s: list[float]) -> dict:
     """mean / p50 / p90 / p99 / max in milliseconds (None when there are no values)."""
     if not values_s:
         return {k: None for k in ("mean", "p50", "p90", "p99", "max")}
     v = 1e3 * np.asarray(values_s, float)
-    return dict(mean=float(v.mean()), p50=float(np.percentile(v, 50)), p90=float(np.percentile(v, 90)),
-                p99=float(np.percentile(v, 99)), max=float(v.max()))
+    return dict(
+        mean=float(v.mean()),
+        p50=float(np.percentile(v, 50)),
+        p90=float(np.percentile(v, 90)),
+        p99=float(np.percentile(v, 99)),
+        max=float(v.max()),
+    )
 
 
 def summarize(cfg: ServingBenchConfig, results: list[RequestResult], wall: float, planned: int) -> dict:
@@ -330,19 +363,41 @@ def summarize(cfg: ServingBenchConfig, results: list[RequestResult], wall: float
     gaps = [g for r in done for g in r.chunk_gaps_s]
     chunks = sum(len(r.chunk_gaps_s) + 1 for r in done)
     out = dict(
-        planned=planned, sent=len(results), not_sent=planned - len(results), completed=len(done),
-        failed=sum(not r.ok and not r.cut for r in results), cut_by_duration=sum(r.cut for r in results),
-        duration_s=wall, total_input_tokens=n_in, total_output_tokens=n_out,
-        request_throughput=len(done) / wall, output_throughput=n_out / wall,
+        planned=planned,
+        sent=len(results),
+        not_sent=planned - len(results),
+        completed=len(done),
+        failed=sum(not r.ok and not r.cut for r in results),
+        cut_by_duration=sum(r.cut for r in results),
+        duration_s=wall,
+        total_input_tokens=n_in,
+        total_output_tokens=n_out,
+        request_throughput=len(done) / wall,
+        output_throughput=n_out / wall,
         total_token_throughput=(n_in + n_out) / wall,
-        ttft_ms=stats_ms([r.ttft_s for r in done]), tpot_ms=stats_ms(tpot), itl_ms=stats_ms(gaps),
-        e2el_ms=stats_ms([r.latency_s for r in done]), tokens_per_chunk=n_out / chunks if chunks else None,
+        ttft_ms=stats_ms([r.ttft_s for r in done]),
+        tpot_ms=stats_ms(tpot),
+        itl_ms=stats_ms(gaps),
+        e2el_ms=stats_ms([r.latency_s for r in done]),
+        tokens_per_chunk=n_out / chunks if chunks else None,
         output_len_mismatches=sum(r.output_tokens != r.max_tokens for r in done),
         goodput=_goodput(cfg, done, wall),
-        failure_samples=[r.error for r in results if not r.ok and not r.cut][:5])
-    out["per_request"] = [dict(sent_s=r.sent_s, ok=r.ok, ttft_s=r.ttft_s, latency_s=r.latency_s, tpot_s=r.tpot_s,
-                               prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
-                               max_tokens=r.max_tokens, chunk_gaps_s=r.chunk_gaps_s) for r in results]
+        failure_samples=[r.error for r in results if not r.ok and not r.cut][:5],
+    )
+    out["per_request"] = [
+        dict(
+            sent_s=r.sent_s,
+            ok=r.ok,
+            ttft_s=r.ttft_s,
+            latency_s=r.latency_s,
+            tpot_s=r.tpot_s,
+            prompt_tokens=r.prompt_tokens,
+            output_tokens=r.output_tokens,
+            max_tokens=r.max_tokens,
+            chunk_gaps_s=r.chunk_gaps_s,
+        )
+        for r in results
+    ]
     return out
 
 
@@ -352,11 +407,13 @@ def _goodput(cfg: ServingBenchConfig, done: list[RequestResult], wall: float) ->
     ttft_ok = lambda r: cfg.slo_ttft_ms is None or 1e3 * r.ttft_s <= cfg.slo_ttft_ms  # noqa: E731
     tpot_ok = lambda r: cfg.slo_tpot_ms is None or r.tpot_s is None or 1e3 * r.tpot_s <= cfg.slo_tpot_ms  # noqa: E731
     good = sum(ttft_ok(r) and tpot_ok(r) for r in done)
-    return dict(slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms, good_requests=good,
-                request_throughput=good / wall)
+    return dict(
+        slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms, good_requests=good, request_throughput=good / wall
+    )
 
 
 # Plot --------------------------------------------------------------------------------------------------------------
+
 
 def plot(results: dict, path: str) -> None:
     """PNG: CDFs of TTFT, TPOT and end-to-end latency (SLO lines where set) and a histogram of ITL; milliseconds,
@@ -368,10 +425,12 @@ def plot(results: dict, path: str) -> None:
 
     per = [r for r in results["per_request"] if r["ok"]]
     slo = results.get("goodput") or {}
-    series = [("TTFT", [r["ttft_s"] for r in per], slo.get("slo_ttft_ms")),
-              ("TPOT", [r["tpot_s"] for r in per if r["tpot_s"] is not None], slo.get("slo_tpot_ms")),
-              ("end-to-end latency", [r["latency_s"] for r in per], None),
-              ("inter-chunk latency (ITL)", [g for r in per for g in r["chunk_gaps_s"]], None)]
+    series = [
+        ("TTFT", [r["ttft_s"] for r in per], slo.get("slo_ttft_ms")),
+        ("TPOT", [r["tpot_s"] for r in per if r["tpot_s"] is not None], slo.get("slo_tpot_ms")),
+        ("end-to-end latency", [r["latency_s"] for r in per], None),
+        ("inter-chunk latency (ITL)", [g for r in per for g in r["chunk_gaps_s"]], None),
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for i, (ax, (name, values, bound_ms)) in enumerate(zip(axes.flat, series)):
         v = np.sort(np.asarray(values, float))
@@ -388,8 +447,10 @@ def plot(results: dict, path: str) -> None:
             ax.legend(fontsize=8)
         ax.set_xlabel(f"{name} ({unit})")
         ax.set_title(f"{name} {'histogram' if i == 3 else 'CDF'}")
-    fig.suptitle(f"{results['completed']}/{results['planned']} completed, {results['request_throughput']:.2f} req/s, "
-                 f"{results['output_throughput']:.1f} output tok/s")
+    fig.suptitle(
+        f"{results['completed']}/{results['planned']} completed, {results['request_throughput']:.2f} req/s, "
+        f"{results['output_throughput']:.1f} output tok/s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,8 +1,8 @@
 """Serving benchmarks of the paged engine: JSON and PNG plots into --out_dir.
 
-    python -m serving.bench --mode static_vs_continuous                 # CPU, SmolLM2 (small sizes via flags)
-    python -m serving.bench --mode prefix_cache
-    python -m serving.bench --mode latency --model_preset llama3_8b --random_weights --dtype bfloat16   # GPU
+    python -m benchmarks.bench --mode static_vs_continuous                 # CPU, SmolLM2 (small sizes via flags)
+    python -m benchmarks.bench --mode prefix_cache
+    python -m benchmarks.bench --mode latency --model_preset llama3_8b --random_weights --dtype bfloat16   # GPU
 
 Modes:
   static_vs_continuous: a synthetic offline workload (all requests arrive at t=0; prompts uniform in
@@ -23,7 +23,7 @@ Modes:
     the cache / prompt tokens), wall time and throughput.
   latency: prefill time to first token and decode tokens/s at a given context for batch 1 and --batch_size,
     plus start-up (model build) and compile (warm-up of every bucket) times.
-  serving: online serving over HTTP, as vLLM's benchmark_serving (serving/bench_serving.py): streaming
+  serving: online serving over HTTP, as vLLM's benchmark_serving (benchmarks/bench_serving.py): streaming
     /v1/completions requests at --request_rate (Poisson; inf = all at once) or at most --max_concurrency in
     flight, against --base_url or a server this binary starts on a free loopback port (the engine flags here,
     then any flags after `--`). Lengths: --dataset sharegpt (log-normal input and output lengths, clipped),
@@ -31,7 +31,7 @@ Modes:
     throughput, TTFT, TPOT, ITL and end-to-end latency percentiles, goodput under --slo_ttft_ms/--slo_tpot_ms.
     Stops by itself after --num_requests or --duration_s. Only loopback URLs are accepted.
 
-    python -m serving.bench --mode serving --num_requests 40 --request_rate 2 --attention_backend xla \
+    python -m benchmarks.bench --mode serving --num_requests 40 --request_rate 2 --attention_backend xla \
         --max_num_batched_tokens 64 --slo_ttft_ms 2000 --slo_tpot_ms 200
 
 Every engine mode compiles all buckets first (`ModelRunner.warmup`), so no run includes compilation. Runs of one mode
@@ -52,8 +52,12 @@ import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("mode", "static_vs_continuous", ["static_vs_continuous", "prefix_cache", "latency", "serving"],
-                  "which benchmark to run")
+flags.DEFINE_enum(
+    "mode",
+    "static_vs_continuous",
+    ["static_vs_continuous", "prefix_cache", "latency", "serving"],
+    "which benchmark to run",
+)
 flags.DEFINE_string("out_dir", "bench_out", "directory for the JSON results and PNG plots")
 flags.DEFINE_string("model", None, "GGUF file, HF safetensors dir or Orbax dir (default: SmolLM2-135M-Instruct)")
 flags.DEFINE_string("model_preset", None, "ModelConfig preset (with --random_weights), e.g. llama3_8b")
@@ -84,30 +88,43 @@ flags.DEFINE_integer("fewshot_max_tokens", 16, "few-shot: answer tokens", lower_
 flags.DEFINE_integer("context", 1024, "latency: prompt tokens", lower_bound=1)
 flags.DEFINE_integer("latency_tokens", 128, "latency: tokens decoded per request", lower_bound=2)
 # serving
-flags.DEFINE_string("base_url", None, "serving: a running server on loopback, e.g. http://127.0.0.1:8000 (default: "
-                    "start one on a free loopback port with the engine flags above and any flags after `--`)")
-flags.DEFINE_float("request_rate", float("inf"), "serving: mean requests/s, Poisson arrivals (inf: all at once)",
-                   lower_bound=0.0)
+flags.DEFINE_string(
+    "base_url",
+    None,
+    "serving: a running server on loopback, e.g. http://127.0.0.1:8000 (default: "
+    "start one on a free loopback port with the engine flags above and any flags after `--`)",
+)
+flags.DEFINE_float(
+    "request_rate", float("inf"), "serving: mean requests/s, Poisson arrivals (inf: all at once)", lower_bound=0.0
+)
 flags.DEFINE_integer("max_concurrency", None, "serving: most requests in flight (default: no limit)", lower_bound=1)
 flags.DEFINE_enum("dataset", "sharegpt", ["sharegpt", "fixed", "jsonl"], "serving: request lengths")
-flags.DEFINE_string("dataset_path", None, "serving: JSONL of {\"prompt\": str, \"max_tokens\": int} per line")
+flags.DEFINE_string("dataset_path", None, 'serving: JSONL of {"prompt": str, "max_tokens": int} per line')
 flags.DEFINE_integer("input_len_median", 128, "serving, sharegpt: median prompt length (log-normal)", lower_bound=1)
 flags.DEFINE_float("input_len_sigma", 1.0, "serving, sharegpt: sigma of log(prompt length)", lower_bound=0.0)
 flags.DEFINE_integer("input_len_max", 1024, "serving, sharegpt: longest prompt (clipped here)", lower_bound=1)
 flags.DEFINE_integer("input_len", 128, "serving, fixed: prompt tokens", lower_bound=1)
-flags.DEFINE_integer("output_len", 64, "serving, fixed: output tokens (jsonl: when a line has no max_tokens)",
-                     lower_bound=1)
+flags.DEFINE_integer(
+    "output_len", 64, "serving, fixed: output tokens (jsonl: when a line has no max_tokens)", lower_bound=1
+)
 flags.DEFINE_bool("ignore_eos", True, "serving: ask for exactly max_tokens tokens (the ignore_eos extension)")
 flags.DEFINE_float("slo_ttft_ms", None, "serving: goodput SLO on time to first token", lower_bound=0.0)
 flags.DEFINE_float("slo_tpot_ms", None, "serving: goodput SLO on time per output token", lower_bound=0.0)
-flags.DEFINE_float("duration_s", 600.0, "serving: cap on the run; requests still in flight then are cut",
-                   lower_bound=1.0)
-flags.DEFINE_integer("max_model_len", None, "serving, self-started server: context limit (default: the longest "
-                     "synthetic prompt + output, or the model's for jsonl)", lower_bound=2)
+flags.DEFINE_float(
+    "duration_s", 600.0, "serving: cap on the run; requests still in flight then are cut", lower_bound=1.0
+)
+flags.DEFINE_integer(
+    "max_model_len",
+    None,
+    "serving, self-started server: context limit (default: the longest "
+    "synthetic prompt + output, or the model's for jsonl)",
+    lower_bound=2,
+)
 flags.DEFINE_float("startup_timeout_s", 1800.0, "serving: how long a self-started server may take to be healthy")
 
 
 # Workloads ---------------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Item:
@@ -129,9 +146,10 @@ def variable_workload(rng: np.random.Generator, vocab: int) -> list[Item]:
 
 # Engine ------------------------------------------------------------------------------------------------------------
 
+
 def load_model():
     """(model, tokenizer, seconds) from --model or --model_preset --random_weights."""
-    from serving.llm import LLM, parse_dtype
+    from serving.engine.llm import LLM, parse_dtype
 
     t0 = time.perf_counter()
     if FLAGS.random_weights:
@@ -152,15 +170,23 @@ def make_engine(model, tokenizer, max_model_len: int, num_seqs: int):
     compiled. Returns (engine, compile seconds)."""
     import jax
 
-    from serving.engine import LLMEngine
+    from serving.engine.engine import LLMEngine
 
     bs = FLAGS.block_size
     max_model_len = -(-max_model_len // bs) * bs
     backend = FLAGS.attention_backend or ("xla" if jax.default_backend() == "cpu" else None)
-    engine = LLMEngine(model, tokenizer, max_model_len=max_model_len, max_num_seqs=num_seqs,
-                       max_num_batched_tokens=FLAGS.max_num_batched_tokens, block_size=bs,
-                       num_kv_blocks=num_seqs * (max_model_len // bs) + 1, attention_backend=backend,
-                       decode_steps=FLAGS.decode_steps, warmup=False)  # warmed up below, inside the timing
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        max_model_len=max_model_len,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        block_size=bs,
+        num_kv_blocks=num_seqs * (max_model_len // bs) + 1,
+        attention_backend=backend,
+        decode_steps=FLAGS.decode_steps,
+        warmup=False,
+    )  # warmed up below, inside the timing
     t0 = time.perf_counter()
     engine.warmup()
     warm_sampler(engine)
@@ -170,7 +196,7 @@ def make_engine(model, tokenizer, max_model_len: int, num_seqs: int):
 def warm_sampler(engine) -> None:
     """Compiles what `warmup` does not (the jitted sampler per row bucket, the small eager gathers and pads of
     the sampled rows per row count) with b tiny requests for every b, so that no measured run pays a compile."""
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     for b in range(1, engine.config.max_num_seqs + 1):
         reset(engine, enable_prefix_caching=False)
@@ -182,12 +208,18 @@ def warm_sampler(engine) -> None:
 
 def reset(engine, enable_prefix_caching: bool) -> None:
     """A fresh scheduler over the engine's runner: empty pool and cache, zeroed counters."""
-    from serving.scheduler import Scheduler
+    from serving.core.scheduler import Scheduler
 
     assert not engine.has_unfinished()
     c = engine.config
-    engine.scheduler = Scheduler(engine.runner.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                                 engine.max_model_len, enable_prefix_caching=enable_prefix_caching)
+    engine.scheduler = Scheduler(
+        engine.runner.num_blocks,
+        c.block_size,
+        c.max_num_seqs,
+        c.max_num_batched_tokens,
+        engine.max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+    )
 
 
 def forward_passes(engine) -> int:
@@ -238,6 +270,7 @@ def drive(engine, t0: float, want: dict, log: RunLog, reserved: int | None = Non
 
 # Mode: static vs continuous ----------------------------------------------------------------------------------------
 
+
 def summarize(items: list[Item], ids: list[str], log: RunLog) -> dict:
     useful = sum(it.max_tokens for it in items)
     latency = np.array([log.done_s[r] for r in ids])
@@ -246,31 +279,40 @@ def summarize(items: list[Item], ids: list[str], log: RunLog) -> dict:
     slots = np.array([s for _, s, _ in log.kv], float)
     used = np.array([u for _, _, u in log.kv], float)
     waste = float(np.sum(weights * (slots - used)) / np.sum(weights * slots))
-    return dict(output_tokens=useful, seconds=log.seconds, throughput_tok_s=useful / log.seconds,
-                forward_passes=log.passes, tokens_per_pass=useful / max(log.passes, 1),
-                latency_p50_s=float(np.percentile(latency, 50)), latency_p99_s=float(np.percentile(latency, 99)),
-                ttft_p50_s=float(np.percentile(ttft, 50)), kv_waste_fraction=waste,
-                kv_slots_mean=float(np.average(slots, weights=weights)),
-                kv_used_mean=float(np.average(used, weights=weights)),
-                kv_trace=[(int(p), int(s), int(u)) for p, s, u in zip(np.cumsum(weights), slots, used)])
+    return dict(
+        output_tokens=useful,
+        seconds=log.seconds,
+        throughput_tok_s=useful / log.seconds,
+        forward_passes=log.passes,
+        tokens_per_pass=useful / max(log.passes, 1),
+        latency_p50_s=float(np.percentile(latency, 50)),
+        latency_p99_s=float(np.percentile(latency, 99)),
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        kv_waste_fraction=waste,
+        kv_slots_mean=float(np.average(slots, weights=weights)),
+        kv_used_mean=float(np.average(used, weights=weights)),
+        kv_trace=[(int(p), int(s), int(u)) for p, s, u in zip(np.cumsum(weights), slots, used)],
+    )
 
 
 def run_continuous(engine, items: list[Item]) -> dict:
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     reset(engine, enable_prefix_caching=False)
     p0 = forward_passes(engine)
     log = RunLog()
     t0 = time.perf_counter()
-    ids = [engine.add_request(it.prompt, SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True))
-           for it in items]
+    ids = [
+        engine.add_request(it.prompt, SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True))
+        for it in items
+    ]
     drive(engine, t0, dict(zip(ids, (it.max_tokens for it in items))), log)
     log.passes = forward_passes(engine) - p0
     return summarize(items, ids, log)
 
 
 def run_static(engine, items: list[Item], n: int, max_len: int) -> dict:
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     reset(engine, enable_prefix_caching=False)
     p0 = forward_passes(engine)
@@ -278,13 +320,19 @@ def run_static(engine, items: list[Item], n: int, max_len: int) -> dict:
     ids: list[str] = []
     t0 = time.perf_counter()
     for start in range(0, len(items), n):
-        batch = items[start:start + n]
+        batch = items[start : start + n]
         longest = max(it.max_tokens for it in batch)
         params = SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True)
         batch_ids = [engine.add_request(it.prompt, params) for it in batch]
         ids += batch_ids
-        drive(engine, t0, dict(zip(batch_ids, (it.max_tokens for it in batch))), log, reserved=n * max_len,
-              lengths={r: len(it.prompt) + it.max_tokens for r, it in zip(batch_ids, batch)})
+        drive(
+            engine,
+            t0,
+            dict(zip(batch_ids, (it.max_tokens for it in batch))),
+            log,
+            reserved=n * max_len,
+            lengths={r: len(it.prompt) + it.max_tokens for r, it in zip(batch_ids, batch)},
+        )
     log.passes = forward_passes(engine) - p0
     return summarize(items, ids, log)
 
@@ -296,17 +344,22 @@ def mode_static_vs_continuous(model, tokenizer, vocab: int) -> dict:
     static = run_static(engine, items, FLAGS.batch_size, max_len)
     continuous = run_continuous(engine, items)
     lens = [it.max_tokens for it in items]
-    return dict(compile_s=compile_s, max_len=max_len,
-                output_lengths=dict(mean=float(np.mean(lens)), p50=float(np.median(lens)), max=int(max(lens))),
-                static=static, continuous=continuous,
-                speedup=continuous["throughput_tok_s"] / static["throughput_tok_s"])
+    return dict(
+        compile_s=compile_s,
+        max_len=max_len,
+        output_lengths=dict(mean=float(np.mean(lens)), p50=float(np.median(lens)), max=int(max(lens))),
+        static=static,
+        continuous=continuous,
+        speedup=continuous["throughput_tok_s"] / static["throughput_tok_s"],
+    )
 
 
 # Mode: prefix cache ------------------------------------------------------------------------------------------------
 
+
 def run_rounds(engine, rounds, caching: bool) -> dict:
     """rounds: callables (previous outputs) -> list[Item]; each round's requests run together."""
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     reset(engine, enable_prefix_caching=caching)
     t0 = time.perf_counter()
@@ -315,8 +368,10 @@ def run_rounds(engine, rounds, caching: bool) -> dict:
     ttfts = []
     for make_items in rounds:
         items = make_items(outputs)
-        rids = [engine.add_request(it.prompt, SamplingParams(max_tokens=it.max_tokens, temperature=0.0,
-                                                                 ignore_eos=True)) for it in items]
+        rids = [
+            engine.add_request(it.prompt, SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True))
+            for it in items
+        ]
         log = RunLog()
         t_round = time.perf_counter()
         drive(engine, t_round, {r: it.max_tokens for r, it in zip(rids, items)}, log)
@@ -326,10 +381,17 @@ def run_rounds(engine, rounds, caching: bool) -> dict:
         prompt_tokens += sum(len(it.prompt) for it in items)
     seconds = time.perf_counter() - t0
     s = engine.scheduler
-    return dict(seconds=seconds, output_tokens=out_tokens, prompt_tokens=prompt_tokens,
-                throughput_tok_s=out_tokens / seconds, prompt_tok_s=prompt_tokens / seconds,
-                ttft_mean_s=float(np.mean(ttfts)), hit_rate=s.prefix_hit_tokens / max(s.prefix_queried_tokens, 1),
-                hit_tokens=s.prefix_hit_tokens, queried_tokens=s.prefix_queried_tokens)
+    return dict(
+        seconds=seconds,
+        output_tokens=out_tokens,
+        prompt_tokens=prompt_tokens,
+        throughput_tok_s=out_tokens / seconds,
+        prompt_tok_s=prompt_tokens / seconds,
+        ttft_mean_s=float(np.mean(ttfts)),
+        hit_rate=s.prefix_hit_tokens / max(s.prefix_queried_tokens, 1),
+        hit_tokens=s.prefix_hit_tokens,
+        queried_tokens=s.prefix_queried_tokens,
+    )
 
 
 def chat_rounds(seed: int, vocab: int):
@@ -347,6 +409,7 @@ def chat_rounds(seed: int, vocab: int):
                     history[i] += prev_outputs[i]  # the model's reply joins the conversation
                 history[i] += users[turn][i]
             return [Item(list(h), k) for h in history]
+
         return make
 
     return [round_fn(t) for t in range(FLAGS.turns)]
@@ -356,8 +419,10 @@ def fewshot_rounds(seed: int, vocab: int):
     """One round: a long shared prefix + a short distinct question per request."""
     rng = np.random.default_rng(seed)
     prefix = random_tokens(rng, FLAGS.fewshot_prefix_len, vocab)
-    items = [Item(prefix + random_tokens(rng, int(rng.integers(8, 25)), vocab), FLAGS.fewshot_max_tokens)
-             for _ in range(FLAGS.fewshot_requests)]
+    items = [
+        Item(prefix + random_tokens(rng, int(rng.integers(8, 25)), vocab), FLAGS.fewshot_max_tokens)
+        for _ in range(FLAGS.fewshot_requests)
+    ]
     return [lambda _: items]
 
 
@@ -376,8 +441,9 @@ def mode_prefix_cache(model, tokenizer, vocab: int) -> dict:
 
 # Mode: latency -----------------------------------------------------------------------------------------------------
 
+
 def mode_latency(model, tokenizer, vocab: int) -> dict:
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     rng = np.random.default_rng(FLAGS.seed)
     engine, compile_s = make_engine(model, tokenizer, FLAGS.context + FLAGS.latency_tokens, FLAGS.batch_size)
@@ -397,16 +463,22 @@ def mode_latency(model, tokenizer, vocab: int) -> dict:
             raise app.UsageError("--latency_tokens is too small to leave a decode window after the prefills")
         passes, tokens = map(sum, zip(*window))
         results[f"batch_{batch}"] = dict(
-            ttft_s=min(log.first_token_s.values()), ttft_last_s=start, seconds=log.seconds,
-            decode_window_s=end - start, decode_tok_s=tokens / (end - start),
-            decode_tok_s_per_seq=tokens / batch / (end - start), ms_per_step=1e3 * (end - start) / passes)
+            ttft_s=min(log.first_token_s.values()),
+            ttft_last_s=start,
+            seconds=log.seconds,
+            decode_window_s=end - start,
+            decode_tok_s=tokens / (end - start),
+            decode_tok_s_per_seq=tokens / batch / (end - start),
+            ms_per_step=1e3 * (end - start) / passes,
+        )
     return results
 
 
 # Mode: serving (over HTTP) -----------------------------------------------------------------------------------------
 
+
 def serving_workload():
-    from serving import bench_serving as bs
+    from benchmarks import bench_serving as bs
 
     n = FLAGS.num_requests
     if FLAGS.dataset == "jsonl":
@@ -415,14 +487,32 @@ def serving_workload():
         return bs.read_jsonl(FLAGS.dataset_path, n, FLAGS.output_len)
     if FLAGS.dataset == "fixed":
         return bs.fixed_lengths(n, FLAGS.seed, FLAGS.input_len, FLAGS.output_len)
-    return bs.sharegpt_like(n, FLAGS.seed, FLAGS.input_len_median, FLAGS.input_len_sigma, FLAGS.input_len_max,
-                            FLAGS.output_len_median, FLAGS.output_len_sigma, FLAGS.output_len_max)
+    return bs.sharegpt_like(
+        n,
+        FLAGS.seed,
+        FLAGS.input_len_median,
+        FLAGS.input_len_sigma,
+        FLAGS.input_len_max,
+        FLAGS.output_len_median,
+        FLAGS.output_len_sigma,
+        FLAGS.output_len_max,
+    )
 
 
 def server_flags(requests, extra: list[str]) -> list[str]:
     """Flags of a self-started server: this binary's engine flags, then the ones after `--` (which win)."""
-    args = ["--dtype", FLAGS.dtype, "--max_num_seqs", str(FLAGS.batch_size), "--block_size", str(FLAGS.block_size),
-            "--max_num_batched_tokens", str(FLAGS.max_num_batched_tokens), "--decode_steps", str(FLAGS.decode_steps)]
+    args = [
+        "--dtype",
+        FLAGS.dtype,
+        "--max_num_seqs",
+        str(FLAGS.batch_size),
+        "--block_size",
+        str(FLAGS.block_size),
+        "--max_num_batched_tokens",
+        str(FLAGS.max_num_batched_tokens),
+        "--decode_steps",
+        str(FLAGS.decode_steps),
+    ]
     args += ["--model", FLAGS.model] if FLAGS.model else []
     args += ["--attention_backend", FLAGS.attention_backend] if FLAGS.attention_backend else []
     max_len = FLAGS.max_model_len
@@ -437,7 +527,7 @@ def mode_serving(extra: list[str]) -> dict:
 
     import httpx
 
-    from serving import bench_serving as bs
+    from benchmarks import bench_serving as bs
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # absl logs every request at INFO otherwise
     try:
@@ -446,9 +536,18 @@ def mode_serving(extra: list[str]) -> dict:
         if FLAGS.base_url and extra:
             raise ValueError(f"flags after `--` configure a self-started server, not --base_url: {' '.join(extra)}")
         cfg = bs.ServingBenchConfig(
-            FLAGS.base_url, FLAGS.num_requests, FLAGS.request_rate, FLAGS.max_concurrency, FLAGS.duration_s,
-            FLAGS.ignore_eos, FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms, request_timeout_s=FLAGS.duration_s + 60,
-            seed=FLAGS.seed, api_key=os.environ.get("PALLAS_SERVE_API_KEY"))
+            FLAGS.base_url,
+            FLAGS.num_requests,
+            FLAGS.request_rate,
+            FLAGS.max_concurrency,
+            FLAGS.duration_s,
+            FLAGS.ignore_eos,
+            FLAGS.slo_ttft_ms,
+            FLAGS.slo_tpot_ms,
+            request_timeout_s=FLAGS.duration_s + 60,
+            seed=FLAGS.seed,
+            api_key=os.environ.get("PALLAS_SERVE_API_KEY"),
+        )
         requests = serving_workload()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -461,6 +560,7 @@ def mode_serving(extra: list[str]) -> dict:
 
 
 # Output ------------------------------------------------------------------------------------------------------------
+
 
 def plot(mode: str, results: dict, path: str) -> None:
     import matplotlib
@@ -508,8 +608,15 @@ def plot(mode: str, results: dict, path: str) -> None:
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         return None
 
@@ -521,31 +628,41 @@ def main(argv) -> None:
         raise app.UsageError("--prompt_len_min must be <= --prompt_len_max")
     if FLAGS.mode == "serving":
         results = mode_serving(argv[1:])
-        from serving.bench_serving import host_device
+        from benchmarks.bench_serving import host_device
 
         name, device = results["served_model"], host_device()
     else:
         import jax
 
         model, tokenizer, load_s = load_model()
-        run_mode = {"static_vs_continuous": mode_static_vs_continuous, "prefix_cache": mode_prefix_cache,
-                    "latency": mode_latency}[FLAGS.mode]
+        run_mode = {
+            "static_vs_continuous": mode_static_vs_continuous,
+            "prefix_cache": mode_prefix_cache,
+            "latency": mode_latency,
+        }[FLAGS.mode]
         results = run_mode(model, tokenizer, model.cfg.vocab_size)
         results["load_s"] = load_s
         dev = jax.devices()[0]
         name = model.cfg.name
         device = f"{dev.platform}: {dev.device_kind} x{jax.device_count()} ({os.cpu_count()} CPU cores)"
-    record = dict(mode=FLAGS.mode, date=datetime.date.today().isoformat(), commit=git_commit(),
-                  command="python -m serving.bench " + " ".join(sys.argv[1:]), device=device, model=name,
-                  dtype=FLAGS.dtype, flags={f.name: f.value for f in FLAGS.get_key_flags_for_module(
-                      sys.modules[__name__])}, results=results)
+    record = dict(
+        mode=FLAGS.mode,
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        command="python -m benchmarks.bench " + " ".join(sys.argv[1:]),
+        device=device,
+        model=name,
+        dtype=FLAGS.dtype,
+        flags={f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
+        results=results,
+    )
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     slug = "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
     stem = os.path.join(FLAGS.out_dir, f"{FLAGS.mode}_{slug}")
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1)
     if FLAGS.mode == "serving":
-        from serving.bench_serving import plot as plot_serving
+        from benchmarks.bench_serving import plot as plot_serving
 
         plot_serving(results, stem + ".png")
     else:

@@ -57,9 +57,9 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from serving.block_manager import BlockManager
-from serving.radix_cache import RadixCache, RadixNode
-from serving.request import FinishReason, Request, RequestStatus
+from serving.core.block_manager import BlockManager
+from serving.core.radix_cache import RadixCache, RadixNode
+from serving.core.request import FinishReason, Request, RequestStatus
 
 
 class RequestRejected(ValueError):
@@ -137,22 +137,35 @@ def _cdiv(a: int, b: int) -> int:
 class Scheduler:
     """Owns requests, the block pool and the prefix cache; see the module docstring for the step protocol."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_prefix_caching: bool = True, policy: str = "fcfs",
-                 long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
+        enable_chunked_prefill: bool = True,
+    ):
         """Args:
-            num_blocks: KV pages in the device pool, including the null page 0.
-            block_size: tokens per page.
-            max_num_seqs: most running requests.
-            max_num_batched_tokens: token budget per step.
-            max_model_len: most tokens (prompt + outputs) per request.
-            enable_prefix_caching: reuse KV of shared prefixes through a radix cache.
-            policy: "fcfs" (arrival order) or "priority" (lower Request.priority first, then arrival).
-            long_prefill_token_threshold: cap on one request's tokens per step (0: no cap).
-            enable_chunked_prefill: when False a prompt is admitted only if it fits the budget whole.
+        num_blocks: KV pages in the device pool, including the null page 0.
+        block_size: tokens per page.
+        max_num_seqs: most running requests.
+        max_num_batched_tokens: token budget per step.
+        max_model_len: most tokens (prompt + outputs) per request.
+        enable_prefix_caching: reuse KV of shared prefixes through a radix cache.
+        policy: "fcfs" (arrival order) or "priority" (lower Request.priority first, then arrival).
+        long_prefill_token_threshold: cap on one request's tokens per step (0: no cap).
+        enable_chunked_prefill: when False a prompt is admitted only if it fits the budget whole.
         """
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len)):
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if policy not in ("fcfs", "priority"):
@@ -200,11 +213,15 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_waiting=self.num_waiting, num_running=self.num_running,
-            num_free_blocks=self.block_manager.num_free, num_used_blocks=self.block_manager.num_used,
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            num_free_blocks=self.block_manager.num_free,
+            num_used_blocks=self.block_manager.num_used,
             num_cached_blocks=self.cache.num_cached_blocks if self.cache else 0,
-            num_preemptions=self.num_preemptions, prefix_queried_tokens=self.prefix_queried_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens)
+            num_preemptions=self.num_preemptions,
+            prefix_queried_tokens=self.prefix_queried_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+        )
 
     # ----------------------------------------------------------------------------------------------- requests
 
@@ -271,7 +288,7 @@ class Scheduler:
         reason = self._rejection(child)
         if reason is not None:
             raise RequestRejected(f"request {child.request_id!r} rejected: {reason}")
-        child.block_ids = parent.block_ids[:_cdiv(child.num_prompt_tokens, self.block_size)]
+        child.block_ids = parent.block_ids[: _cdiv(child.num_prompt_tokens, self.block_size)]
         self.block_manager.incref(child.block_ids)
         child.num_computed_tokens = child.num_prompt_tokens - 1
         child.status = RequestStatus.RUNNING
@@ -348,7 +365,7 @@ class Scheduler:
         """Takes the cached prefix of all but the last token: references its blocks and locks its node."""
         if self.cache is None:
             return None
-        match = self.cache.match_prefix(req.all_token_ids[:req.num_tokens - 1], req.cache_namespace)
+        match = self.cache.match_prefix(req.all_token_ids[: req.num_tokens - 1], req.cache_namespace)
         self.cache.lock(match.node)
         self.block_manager.incref(match.block_ids)
         req.block_ids = list(match.block_ids)
@@ -370,22 +387,33 @@ class Scheduler:
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start = req.num_computed_tokens
-        out.scheduled.append(ScheduledRequest(req, req.all_token_ids[start:start + n], start, list(req.block_ids),
-                                              sample=start + n == req.num_tokens))
+        out.scheduled.append(
+            ScheduledRequest(
+                req,
+                req.all_token_ids[start : start + n],
+                start,
+                list(req.block_ids),
+                sample=start + n == req.num_tokens,
+            )
+        )
         out.num_batched_tokens += n
 
     # ------------------------------------------------------------------------------------ blocks, preemption
 
-    def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput,
-                             protect: bool) -> bool:
+    def _allocate_or_preempt(
+        self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput, protect: bool
+    ) -> bool:
         """Gets blocks for n more tokens of a running request, preempting the youngest unscheduled running
         request (possibly req itself) while short. With `protect`, requests resumed after a preemption that have
         not sampled since are never victims; a protected req with no victim waits, keeping its blocks.
 
         Returns False when req was preempted or must wait."""
         while not self._allocate(req, n, out.cow_pairs):
-            candidates = [r for r in self.running if r.request_id not in scheduled
-                          and not (protect and r.request_id in self._needs_progress)]
+            candidates = [
+                r
+                for r in self.running
+                if r.request_id not in scheduled and not (protect and r.request_id in self._needs_progress)
+            ]
             victim = max(candidates, key=self._age, default=None)
             if victim is None:
                 return False
@@ -450,7 +478,7 @@ class Scheduler:
         k = req.num_computed_tokens // self.block_size
         if k <= self._num_tree_blocks.get(req.request_id, 0):
             return
-        result = self.cache.insert(req.all_token_ids[:k * self.block_size], req.block_ids[:k], req.cache_namespace)
+        result = self.cache.insert(req.all_token_ids[: k * self.block_size], req.block_ids[:k], req.cache_namespace)
         for i, cached in enumerate(result.block_ids):
             if req.block_ids[i] != cached:
                 self.block_manager.incref([cached])
@@ -465,8 +493,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------ update
 
-    def reserve_lookahead(self, requests: Sequence[Request], num_tokens: int,
-                          cow_pairs: list[tuple[int, int]]) -> bool:
+    def reserve_lookahead(self, requests: Sequence[Request], num_tokens: int, cow_pairs: list[tuple[int, int]]) -> bool:
         """Extends running requests' blocks by `num_tokens` positions past this step's tokens (all known tokens),
         for a multi-step decode loop (several tokens per row before the next `schedule`).
 
@@ -490,9 +517,13 @@ class Scheduler:
                 return False
         return True
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]],
-               logprobs: Mapping[str, Sequence[Any]] | None = None,
-               computed: Mapping[str, int] | None = None) -> list[Request]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, Sequence[int]],
+        logprobs: Mapping[str, Sequence[Any]] | None = None,
+        computed: Mapping[str, int] | None = None,
+    ) -> list[Request]:
         """Applies a computed step.
 
         Args:
@@ -507,8 +538,11 @@ class Scheduler:
         Returns:
             Requests finished by a token-level stop condition this step.
         """
-        live = [sr for sr in output.scheduled  # Skips requests finished or aborted since schedule().
-                if self.requests.get(sr.request_id) is sr.request and sr.request.status is RequestStatus.RUNNING]
+        live = [
+            sr
+            for sr in output.scheduled  # Skips requests finished or aborted since schedule().
+            if self.requests.get(sr.request_id) is sr.request and sr.request.status is RequestStatus.RUNNING
+        ]
         for sr in live:  # Validate everything before changing anything.
             self._check_row(sr, sampled.get(sr.request_id, ()), (computed or {}).get(sr.request_id))
         finished = []
@@ -542,8 +576,9 @@ class Scheduler:
             raise ValueError(f"request {rid!r} got tokens for a non-final prefill chunk")
         n = len(sr.token_ids)
         if n_computed is not None and not n <= n_computed <= n + max(len(tokens) - 1, 0):
-            raise ValueError(f"request {rid!r}: computed={n_computed} for {n} scheduled and {len(tokens)} sampled "
-                             "tokens")
+            raise ValueError(
+                f"request {rid!r}: computed={n_computed} for {n} scheduled and {len(tokens)} sampled tokens"
+            )
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling_params
@@ -567,13 +602,17 @@ class Scheduler:
         if req.num_tokens > self.max_model_len:
             return f"prompt of {req.num_tokens} tokens is longer than max_model_len={self.max_model_len}"
         if not self.enable_chunked_prefill and req.num_tokens > self.max_num_batched_tokens:
-            return (f"prompt of {req.num_tokens} tokens exceeds max_num_batched_tokens="
-                    f"{self.max_num_batched_tokens} and chunked prefill is disabled")
+            return (
+                f"prompt of {req.num_tokens} tokens exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} and chunked prefill is disabled"
+            )
         max_positions = min(prompt_len + req.sampling_params.max_tokens - 1, self.max_model_len)
         needed = _cdiv(max(max_positions, req.num_tokens), self.block_size)
         if needed > self.block_manager.num_usable_blocks:
-            return (f"needs up to {needed} KV blocks ({max_positions} positions) but the pool has "
-                    f"{self.block_manager.num_usable_blocks}")
+            return (
+                f"needs up to {needed} KV blocks ({max_positions} positions) but the pool has "
+                f"{self.block_manager.num_usable_blocks}"
+            )
         return None
 
     def _age(self, req: Request) -> tuple:
@@ -614,4 +653,5 @@ class Scheduler:
             assert locks == self.cache.num_locks(), f"{locks} request locks, the cache counts {self.cache.num_locks()}"
         for b in range(1, self.block_manager.num_blocks):
             assert self.block_manager.refcount(b) == expected[b], (
-                f"block {b}: refcount {self.block_manager.refcount(b)}, holders {expected[b]}")
+                f"block {b}: refcount {self.block_manager.refcount(b)}, holders {expected[b]}"
+            )

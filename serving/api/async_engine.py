@@ -23,9 +23,10 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from serving.request import RequestOutput, SamplingParams
+from serving.core.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,9 @@ class AsyncEngine:
       warmup: called with the engine on the engine thread before it is marked ready (compiles buckets).
     """
 
-    def __init__(self, engine_factory: Callable[[], Any], *, max_queue: int = 256,
-                 warmup: Callable[[Any], None] | None = None):
+    def __init__(
+        self, engine_factory: Callable[[], Any], *, max_queue: int = 256, warmup: Callable[[Any], None] | None = None
+    ):
         self.max_queue = max_queue
         self._factory = engine_factory
         self._warmup = warmup
@@ -312,8 +314,10 @@ class AsyncEngine:
             return
         waiting = self.engine.scheduler.num_waiting
         if waiting + len(specs) > self.max_queue:
-            self._post(stream, QueueFullError(
-                f"{waiting} requests are already waiting (max_queue={self.max_queue}); retry later"))
+            self._post(
+                stream,
+                QueueFullError(f"{waiting} requests are already waiting (max_queue={self.max_queue}); retry later"),
+            )
             return
         added = []
         try:
@@ -383,10 +387,16 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         s = self.engine.scheduler.stats()
         self.stats = EngineStats(
-            num_waiting=s.num_waiting, num_running=s.num_running, kv_blocks_used=s.num_used_blocks,
-            kv_blocks_free=s.num_free_blocks, kv_blocks_cached=s.num_cached_blocks,
-            prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
-            num_steps=self.engine.num_steps, num_step_failures=self.stats.num_step_failures)
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            kv_blocks_used=s.num_used_blocks,
+            kv_blocks_free=s.num_free_blocks,
+            kv_blocks_cached=s.num_cached_blocks,
+            prefix_hit_rate=s.prefix_hit_rate,
+            num_preemptions=s.num_preemptions,
+            num_steps=self.engine.num_steps,
+            num_step_failures=self.stats.num_step_failures,
+        )
 
 
 def _deliver(batch: list[tuple[RequestStream, list[RequestOutput]]]) -> None:

@@ -29,17 +29,27 @@ import heapq
 import itertools
 from collections.abc import Hashable, Sequence
 
-from serving.block_manager import BlockManager
+from serving.core.block_manager import BlockManager
 
 
 class RadixNode:
     """A tree node: the edge from its parent (tokens and blocks), children, locks, last access."""
 
-    __slots__ = ("uid", "parent", "children", "token_ids", "block_ids", "lock_ref", "last_access", "in_heap_at",
-                 "removed")
+    __slots__ = (
+        "uid",
+        "parent",
+        "children",
+        "token_ids",
+        "block_ids",
+        "lock_ref",
+        "last_access",
+        "in_heap_at",
+        "removed",
+    )
 
-    def __init__(self, uid: int, parent: RadixNode | None, token_ids: tuple[int, ...], block_ids: list[int],
-                 last_access: int):
+    def __init__(
+        self, uid: int, parent: RadixNode | None, token_ids: tuple[int, ...], block_ids: list[int], last_access: int
+    ):
         self.uid = uid
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
@@ -131,7 +141,7 @@ class RadixCache:
         blocks: list[int] = []
         pos = 0
         while pos + bs <= len(token_ids):
-            child = node.children.get(tuple(token_ids[pos:pos + bs]))
+            child = node.children.get(tuple(token_ids[pos : pos + bs]))
             if child is None:
                 break
             k = self._common_blocks(child, token_ids, pos, len(token_ids))
@@ -163,9 +173,9 @@ class RadixCache:
         path_blocks: list[int] = []
         pos = 0
         while pos < n_tokens:
-            child = node.children.get(tuple(token_ids[pos:pos + bs]))
+            child = node.children.get(tuple(token_ids[pos : pos + bs]))
             if child is None:
-                new_blocks = list(block_ids[pos // bs:])
+                new_blocks = list(block_ids[pos // bs :])
                 child = self._add_leaf(node, tuple(token_ids[pos:n_tokens]), new_blocks, now)
                 path_blocks.extend(new_blocks)
                 return InsertResult(child, path_blocks, len(new_blocks))
@@ -216,7 +226,7 @@ class RadixCache:
             if take < len(node.block_ids):
                 victims = node.block_ids[-take:]
                 node.block_ids = node.block_ids[:-take]
-                node.token_ids = node.token_ids[:len(node.block_ids) * self.block_size]
+                node.token_ids = node.token_ids[: len(node.block_ids) * self.block_size]
                 self._push_if_evictable(node)
             else:
                 victims = node.block_ids
@@ -283,19 +293,23 @@ class RadixCache:
         """Whole blocks shared by child's edge and token_ids[pos:end] (>= 1: the first block is the dict key)."""
         bs = self.block_size
         k = 1
-        while (k < len(child.block_ids) and pos + (k + 1) * bs <= end
-               and tuple(token_ids[pos + k * bs:pos + (k + 1) * bs]) == child.token_ids[k * bs:(k + 1) * bs]):
+        while (
+            k < len(child.block_ids)
+            and pos + (k + 1) * bs <= end
+            and tuple(token_ids[pos + k * bs : pos + (k + 1) * bs]) == child.token_ids[k * bs : (k + 1) * bs]
+        ):
             k += 1
         return k
 
     def _split(self, child: RadixNode, k: int) -> RadixNode:
         """Cuts child's edge after k blocks; returns the new upper node (child keeps the lower part)."""
         bs = self.block_size
-        upper = RadixNode(next(self._uids), child.parent, child.token_ids[:k * bs], child.block_ids[:k],
-                          child.last_access)
+        upper = RadixNode(
+            next(self._uids), child.parent, child.token_ids[: k * bs], child.block_ids[:k], child.last_access
+        )
         upper.lock_ref = child.lock_ref  # Every lock through child passes through upper.
         child.parent.children[child.token_ids[:bs]] = upper
-        child.token_ids = child.token_ids[k * bs:]
+        child.token_ids = child.token_ids[k * bs :]
         child.block_ids = child.block_ids[k:]
         child.parent = upper
         upper.children[child.token_ids[:bs]] = child
@@ -305,7 +319,7 @@ class RadixCache:
     def _add_leaf(self, parent: RadixNode, token_ids: tuple[int, ...], block_ids: list[int], now: int) -> RadixNode:
         self.block_manager.incref(block_ids)
         leaf = RadixNode(next(self._uids), parent, token_ids, block_ids, now)
-        parent.children[token_ids[:self.block_size]] = leaf
+        parent.children[token_ids[: self.block_size]] = leaf
         self._num_nodes += 1
         self.num_cached_blocks += len(block_ids)
         self._push_if_evictable(leaf)
@@ -313,7 +327,7 @@ class RadixCache:
 
     def _remove_leaf(self, node: RadixNode) -> None:
         parent = node.parent
-        del parent.children[node.token_ids[:self.block_size]]
+        del parent.children[node.token_ids[: self.block_size]]
         node.removed = True
         node.parent = None
         self._num_nodes -= 1

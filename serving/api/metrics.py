@@ -8,12 +8,12 @@ several servers (tests) can live in one process.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from serving.async_engine import EngineStats, RequestStream
+from serving.api.async_engine import EngineStats, RequestStream
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "pallas_serve"
@@ -37,10 +37,16 @@ class _EngineCollector:
             ("kv_blocks_used", "KV blocks referenced (by requests or the prefix cache).", s.kv_blocks_used),
             ("kv_blocks_free", "KV blocks on the free list.", s.kv_blocks_free),
             ("kv_blocks_cached", "KV blocks held by the prefix cache.", s.kv_blocks_cached),
-            ("kv_blocks_in_requests", "KV blocks used beyond the prefix cache's own (0 when idle).",
-             max(0, s.kv_blocks_used - s.kv_blocks_cached)),
-            ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up.",
-             s.prefix_hit_rate),
+            (
+                "kv_blocks_in_requests",
+                "KV blocks used beyond the prefix cache's own (0 when idle).",
+                max(0, s.kv_blocks_used - s.kv_blocks_cached),
+            ),
+            (
+                "prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / prompt tokens looked up.",
+                s.prefix_hit_rate,
+            ),
             ("preemptions", "Preemptions since start.", s.num_preemptions),
             ("engine_steps", "Engine steps since start.", s.num_steps),
             ("engine_step_failures", "Engine steps that raised since start.", s.num_step_failures),
@@ -59,26 +65,40 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats | None]):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status code.",
-                                ["endpoint", "status"], registry=r)
-        self.finished = Counter(f"{PREFIX}_sequences_finished", "Finished sequences by finish reason.",
-                                ["reason"], registry=r)
+        self.requests = Counter(
+            f"{PREFIX}_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r
+        )
+        self.finished = Counter(
+            f"{PREFIX}_sequences_finished", "Finished sequences by finish reason.", ["reason"], registry=r
+        )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generated_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", registry=r)
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token, per sequence.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, per sequence.",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last token, per sequence.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Arrival to first token, per sequence.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per sequence.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "Arrival to last token, per sequence.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_EngineCollector(stats))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-    def observe_stream(self, stream: RequestStream, num_prompt_tokens: int,
-                       finish_reasons: dict[str, str | None]) -> None:
+    def observe_stream(
+        self, stream: RequestStream, num_prompt_tokens: int, finish_reasons: dict[str, str | None]
+    ) -> None:
         """Records latency and token counts of a stream's sequences once it has ended (any way)."""
         self.prompt_tokens.inc(num_prompt_tokens)
         for rid in stream.request_ids:

@@ -16,15 +16,15 @@ import dataclasses
 import itertools
 import random
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
 from model.sampling import SamplingTensors
-from serving.request import Request, RequestOutput, SamplingParams
-from serving.runner import ModelRunner, RowInput, pad_sampling, sample_rows, size_kv_pool
-from serving.scheduler import Scheduler, SchedulerOutput
+from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from serving.core.scheduler import Scheduler, SchedulerOutput
+from serving.engine.runner import ModelRunner, RowInput, pad_sampling, sample_rows, size_kv_pool
 
 
 @dataclasses.dataclass
@@ -80,13 +80,27 @@ class LLMEngine:
         self.vocab_size = model.cfg.vocab_size
         self.max_model_len = max_model_len
         default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
-        num_blocks = c.num_kv_blocks or size_kv_pool(model, c.block_size, model.dtype, c.kv_cache_memory_fraction,
-                                                     default_blocks)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=c.block_size,
-                                  max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                                  max_model_len=max_model_len, attention_backend=c.attention_backend)
-        self.scheduler = Scheduler(num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                                   max_model_len, enable_prefix_caching=c.enable_prefix_caching, policy=c.policy)
+        num_blocks = c.num_kv_blocks or size_kv_pool(
+            model, c.block_size, model.dtype, c.kv_cache_memory_fraction, default_blocks
+        )
+        self.runner = ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            attention_backend=c.attention_backend,
+        )
+        self.scheduler = Scheduler(
+            num_blocks,
+            c.block_size,
+            c.max_num_seqs,
+            c.max_num_batched_tokens,
+            max_model_len,
+            enable_prefix_caching=c.enable_prefix_caching,
+            policy=c.policy,
+        )
         self._tracks: dict[str, _Track] = {}
         self._finished: dict[str, _Track] = {}
         self._ids = itertools.count()
@@ -111,14 +125,22 @@ class LLMEngine:
 
     # Requests ------------------------------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None, priority: int = 0) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> str:
         """Queues a request; raises ValueError (with the reason) if it can never be served."""
         params.validate()
         banned = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.eos_token_ids))
         if params.min_tokens and banned > _MAX_BANNED:
-            raise ValueError(f"min_tokens needs EOS and stop_token_ids banned until then; at most {_MAX_BANNED} ids "
-                             f"can be, this request has {banned} (EOS ids: {len(self.eos_token_ids)})")
+            raise ValueError(
+                f"min_tokens needs EOS and stop_token_ids banned until then; at most {_MAX_BANNED} ids "
+                f"can be, this request has {banned} (EOS ids: {len(self.eos_token_ids)})"
+            )
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(31))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -170,14 +192,18 @@ class LLMEngine:
         sampled = {r.request_id: [int(tok[i])] for i, r in enumerate(reqs)}
         logprobs = None
         if want:
-            logprobs = {r.request_id: [_logprob_entry(r, tok[i], lp[i], top_ids[i], top_lp[i])]
-                        for i, r in enumerate(reqs)}
+            logprobs = {
+                r.request_id: [_logprob_entry(r, tok[i], lp[i], top_ids[i], top_lp[i])] for i, r in enumerate(reqs)
+            }
         return sampled, logprobs
 
     def _sample(self, logits, reqs: list[Request]):
         n = len(reqs)
-        s = self.runner.decode_buckets[-1] if n > self.runner.decode_buckets[-1] else next(
-            b for b in self.runner.decode_buckets if b >= n)
+        s = (
+            self.runner.decode_buckets[-1]
+            if n > self.runner.decode_buckets[-1]
+            else next(b for b in self.runner.decode_buckets if b >= n)
+        )
         logits = logits[:s] if logits.shape[0] >= s else jax.numpy.pad(logits, ((0, s - logits.shape[0]), (0, 0)))
         st = pad_sampling(_sampling_tensors(reqs), s)
         penalties = any(_has_penalties(r.sampling_params) for r in reqs)
@@ -201,13 +227,23 @@ class LLMEngine:
         # Waiting requests need the host only if a slot is free for them; with every slot taken they could not
         # be admitted before a running request finishes anyway (they then wait at most k - 1 extra steps).
         slots_full = self.scheduler.num_running >= self.config.max_num_seqs
-        if k <= 1 or (self.scheduler.num_waiting and not slots_full) or len(out.scheduled) > self.runner.decode_buckets[-1]:
+        if (
+            k <= 1
+            or (self.scheduler.num_waiting and not slots_full)
+            or len(out.scheduled) > self.runner.decode_buckets[-1]
+        ):
             return None
         limits = []
         for sr in out.scheduled:
             p, req = sr.request.sampling_params, sr.request
-            if (len(sr.token_ids) != 1 or not sr.sample or p.stop or _has_penalties(p) or p.logprobs is not None
-                    or req.num_output_tokens < p.min_tokens):
+            if (
+                len(sr.token_ids) != 1
+                or not sr.sample
+                or p.stop
+                or _has_penalties(p)
+                or p.logprobs is not None
+                or req.num_output_tokens < p.min_tokens
+            ):
                 return None
             limits.append(min(k, p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens))
         if max(limits) < k:
@@ -239,7 +275,7 @@ class LLMEngine:
                 continue
             req = track.request
             n_new = len(req.output_token_ids) - len(track.detok.ids)
-            new_ids = req.output_token_ids[len(track.detok.ids):]
+            new_ids = req.output_token_ids[len(track.detok.ids) :]
             if track.first_token_time is None:
                 track.first_token_time = now
             track.text += track.detok.add([t for t in new_ids if not self._is_stop_token(req, t)])
@@ -255,7 +291,7 @@ class LLMEngine:
                 track.text += track.detok.flush()
             hold = 0 if finished_now else max((len(s) - 1 for s in req.sampling_params.stop), default=0)
             visible = len(track.text) - hold
-            delta = track.text[track.emitted:visible] if visible > track.emitted else ""
+            delta = track.text[track.emitted : visible] if visible > track.emitted else ""
             track.emitted = max(track.emitted, visible)
             lps = req.output_logprobs[-n_new:] if req.sampling_params.logprobs is not None and n_new else None
             results.append(RequestOutput(rid, new_ids, finished_now, reason, delta, lps))
@@ -273,8 +309,9 @@ class LLMEngine:
 
     # Convenience ---------------------------------------------------------------------------------------------
 
-    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-               prompt: str | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
+    ) -> Iterator[RequestOutput]:
         """Runs the engine until this request finishes, yielding its outputs (other requests progress too)."""
         rid = self.add_request(prompt_token_ids, params, prompt=prompt)
         while True:
@@ -284,15 +321,14 @@ class LLMEngine:
                     if o.finished:
                         return
 
-    def generate(self, texts: Sequence[str | None], prompts: Sequence[Sequence[int]], progress=None,
-                 **sampling) -> list:
-        """Generates for every prompt together; returns serving.llm.CompletionOutput objects in order.
+    def generate(
+        self, texts: Sequence[str | None], prompts: Sequence[Sequence[int]], progress=None, **sampling
+    ) -> list:
+        """Generates for every prompt together; returns serving.engine.llm.CompletionOutput objects in order.
 
         progress: optional callable(finished, total, tokens), called after every engine step with the number of
         these prompts that have finished, their count, and the tokens generated for them so far.
         """
-        from serving.llm import CompletionOutput
-
         base = dict(sampling)
         seed = base.pop("seed", None)
         for key in ("stop", "stop_token_ids"):
@@ -344,9 +380,19 @@ def _sampling_tensors(reqs: Sequence[Request]) -> SamplingTensors:
     rows = []
     for r in reqs:
         p = r.sampling_params
-        rows.append(dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                         frequency_penalty=p.frequency_penalty, seed=p.seed % (2 ** 32), step=r.num_output_tokens))
+        rows.append(
+            dict(
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                seed=p.seed % (2**32),
+                step=r.num_output_tokens,
+            )
+        )
     return SamplingTensors.from_rows(rows)
 
 
@@ -354,7 +400,7 @@ def _pad_ids(lists: Sequence[Sequence[int]], s: int) -> np.ndarray:
     width = 1 << max(4, (max((len(x) for x in lists), default=1) - 1).bit_length())
     out = np.full((s, width), -1, np.int32)
     for i, ids in enumerate(lists):
-        out[i, :len(ids)] = ids
+        out[i, : len(ids)] = ids
     return out
 
 
@@ -368,7 +414,7 @@ def _banned(reqs: Sequence[Request], s: int) -> np.ndarray:
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
             ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            out[i, :min(_MAX_BANNED, len(ids))] = ids[:_MAX_BANNED]
+            out[i, : min(_MAX_BANNED, len(ids))] = ids[:_MAX_BANNED]
     return out
 
 

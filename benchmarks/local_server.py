@@ -1,6 +1,6 @@
 """Start, probe and stop `python -m serving.server` as a subprocess on a loopback port.
 
-Shared by the tools that drive a real server over HTTP (tools/soak.py, the `serving` mode of serving/bench.py)
+Shared by the tools that drive a real server over HTTP (tools/soak.py, the `serving` mode of benchmarks/bench.py)
 and their tests. Only loopback addresses are used: these helpers never bind or reach anything else.
 """
 
@@ -42,18 +42,29 @@ def check_loopback_url(url: str) -> str:
         except ValueError:
             loopback = False
     if not loopback:
-        raise ValueError(f"refusing {url!r}: only a server on this machine's loopback interface "
-                         f"({', '.join(LOOPBACK_HOSTS)}) may be benchmarked, not host {host!r}")
+        raise ValueError(
+            f"refusing {url!r}: only a server on this machine's loopback interface "
+            f"({', '.join(LOOPBACK_HOSTS)}) may be benchmarked, not host {host!r}"
+        )
     return url.rstrip("/")
 
 
-def start_server(port: int, server_args: list[str], log_level: str = "warning",
-                 stdout=None) -> subprocess.Popen:
+def start_server(port: int, server_args: list[str], log_level: str = "warning", stdout=None) -> subprocess.Popen:
     """Starts the server binary on 127.0.0.1:`port` with extra flags; returns at once (see wait_healthy)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # Host and port come last so that they win over anything in server_args: the server stays on loopback.
-    cmd = [sys.executable, "-m", "serving.server", "--log_level", log_level, *server_args,
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving.server",
+        "--log_level",
+        log_level,
+        *server_args,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     print("server:", " ".join(cmd), file=sys.stderr)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, AsyncIterator, Literal, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.async_engine import EngineError, RequestStream
-from serving.request import SamplingParams
+from serving.api.async_engine import EngineError, RequestStream
+from serving.core.request import SamplingParams
 
 # OpenAI's logprob floor for tokens the model gives no probability (JSON has no -Infinity).
 MIN_LOGPROB = -9999.0
@@ -26,8 +27,16 @@ MIN_LOGPROB = -9999.0
 class OpenAIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
@@ -36,8 +45,9 @@ class OpenAIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -59,7 +69,7 @@ class _SamplingRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = Field(None, max_length=16)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -89,19 +99,25 @@ class _SamplingRequest(_Strict):
             raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
         bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
         if bad:
-            raise OpenAIError(400, f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}",
-                              param="stop_token_ids")
+            raise OpenAIError(400, f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}", param="stop_token_ids")
         top_k = _default(self.top_k, 0)
         temperature = _default(self.temperature, 1.0)
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0 if temperature < 1e-5 else temperature,
-            top_p=_default(self.top_p, 1.0), top_k=0 if top_k < 0 or top_k >= vocab_size else top_k,
+            max_tokens=max_tokens,
+            temperature=0.0 if temperature < 1e-5 else temperature,
+            top_p=_default(self.top_p, 1.0),
+            top_k=0 if top_k < 0 or top_k >= vocab_size else top_k,
             min_p=_default(self.min_p, 0.0),
             repetition_penalty=_default(self.repetition_penalty, 1.0),
             presence_penalty=_default(self.presence_penalty, 0.0),
-            frequency_penalty=_default(self.frequency_penalty, 0.0), seed=self.seed, stop=self.stop_strings(),
-            stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            seed=self.seed,
+            stop=self.stop_strings(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
         try:
             return params.validate()
         except ValueError as e:
@@ -120,7 +136,8 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists"
+    )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
@@ -187,16 +204,18 @@ def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise OpenAIError(400, f"{param} is not valid UTF-8 text: {e.reason} at position {e.start}",
-                          param=param) from e
+        raise OpenAIError(400, f"{param} is not valid UTF-8 text: {e.reason} at position {e.start}", param=param) from e
 
 
 # Responses ----------------------------------------------------------------------------------------------------
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict:
@@ -229,8 +248,9 @@ class CompletionLogprobs:
     def merge(blocks: Sequence[dict]) -> dict | None:
         if not blocks:
             return None
-        return {k: [x for b in blocks for x in b[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
-                                                                  "text_offset")}
+        return {
+            k: [x for b in blocks for x in b[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
 
 
 def chat_logprobs(token_text, token_ids: Sequence[int], entries: Sequence[Any]) -> list[dict]:
@@ -238,9 +258,17 @@ def chat_logprobs(token_text, token_ids: Sequence[int], entries: Sequence[Any]) 
     content = []
     for tid, (lp, top) in zip(token_ids, entries):
         text = token_text(tid)
-        content.append({"token": text, "logprob": finite_logprob(lp), "bytes": list(text.encode("utf-8")),
-                        "top_logprobs": [{"token": token_text(i), "logprob": finite_logprob(v),
-                                          "bytes": list(token_text(i).encode("utf-8"))} for i, v in top]})
+        content.append(
+            {
+                "token": text,
+                "logprob": finite_logprob(lp),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": token_text(i), "logprob": finite_logprob(v), "bytes": list(token_text(i).encode("utf-8"))}
+                    for i, v in top
+                ],
+            }
+        )
     return content
 
 
@@ -300,13 +328,20 @@ class CompletionFormat:
         out["choices"] = []
         for c in choices:
             lp = CompletionLogprobs(self.token_text).block(c.token_ids, c.logprobs) if c.logprobs else None
-            out["choices"].append({"index": c.index, "text": self.echo[c.prompt_index] + "".join(c.text),
-                                   "logprobs": lp, "finish_reason": c.finish_reason})
+            out["choices"].append(
+                {
+                    "index": c.index,
+                    "text": self.echo[c.prompt_index] + "".join(c.text),
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                }
+            )
         out["usage"] = usage(n_prompt, sum(len(c.token_ids) for c in choices))
         return out
 
-    async def chunks(self, stream: RequestStream, choices: list[Choice], n_prompt: int,
-                     include_usage: bool) -> AsyncIterator[dict]:
+    async def chunks(
+        self, stream: RequestStream, choices: list[Choice], n_prompt: int, include_usage: bool
+    ) -> AsyncIterator[dict]:
         by_id = {c.request_id: c for c in choices}
         lps = {c.request_id: CompletionLogprobs(self.token_text) for c in choices}
         async for out in stream:
@@ -319,8 +354,7 @@ class CompletionFormat:
                 continue
             c.started = True
             chunk = self._head()
-            chunk["choices"] = [{"index": c.index, "text": text, "logprobs": lp,
-                                 "finish_reason": c.finish_reason}]
+            chunk["choices"] = [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}]
             attach_usage(chunk, stream, choices, n_prompt, include_usage)
             yield chunk
         if include_usage:
@@ -337,30 +371,56 @@ class ChatFormat:
 
     def response(self, choices: list[Choice], n_prompt: int) -> dict:
         out = self._head("chat.completion")
-        out["choices"] = [{
-            "index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": {"content": chat_logprobs(self.token_text, c.token_ids, c.logprobs)} if c.logprobs else None,
-            "finish_reason": c.finish_reason} for c in choices]
+        out["choices"] = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": {"content": chat_logprobs(self.token_text, c.token_ids, c.logprobs)}
+                if c.logprobs
+                else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
         out["usage"] = usage(n_prompt, num_tokens(choices))
         return out
 
-    async def chunks(self, stream: RequestStream, choices: list[Choice], n_prompt: int,
-                     include_usage: bool) -> AsyncIterator[dict]:
+    async def chunks(
+        self, stream: RequestStream, choices: list[Choice], n_prompt: int, include_usage: bool
+    ) -> AsyncIterator[dict]:
         by_id = {c.request_id: c for c in choices}
         head = self._head("chat.completion.chunk")
-        yield head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None} for c in choices]}
+        yield head | {
+            "choices": [
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for c in choices
+            ]
+        }
         async for out in stream:
             c = by_id[out.request_id]
             check_output(out)
             absorb(c, out)
-            lp = ({"content": chat_logprobs(self.token_text, out.new_token_ids, out.new_logprobs)}
-                  if out.new_logprobs else None)
+            lp = (
+                {"content": chat_logprobs(self.token_text, out.new_token_ids, out.new_logprobs)}
+                if out.new_logprobs
+                else None
+            )
             if not (out.text or lp or out.finished):
                 continue
             chunk = dict(head)
-            chunk["choices"] = [{"index": c.index, "delta": {"content": out.text} if out.text else {},
-                                 "logprobs": lp, "finish_reason": c.finish_reason}]
+            chunk["choices"] = [
+                {
+                    "index": c.index,
+                    "delta": {"content": out.text} if out.text else {},
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                }
+            ]
             attach_usage(chunk, stream, choices, n_prompt, include_usage)
             yield chunk
         if include_usage:

@@ -3,7 +3,7 @@
     prompts --right-pad--> prefill [B, T_pad] --> logits at each row's last prompt token --> sample
             --> lax.while_loop: decode one token for every row per iteration until all rows stop
 
-The paged engine (serving/engine.py) is the product; this path is kept small and obviously correct, and the
+The paged engine (serving/engine/engine.py) is the product; this path is kept small and obviously correct, and the
 engine's exactness tests compare against it token for token.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +35,9 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 
 @functools.partial(nnx.jit, static_argnames=("max_new",))
-def _generate(model: Transformer, tokens_bt, lengths_b, st: SamplingTensors, stop_ids_s, max_new_b, caches,
-              max_new: int):
+def _generate(
+    model: Transformer, tokens_bt, lengths_b, st: SamplingTensors, stop_ids_s, max_new_b, caches, max_new: int
+):
     b, t = tokens_bt.shape
     meta = ContiguousMeta()
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -70,9 +71,14 @@ def _generate(model: Transformer, tokens_bt, lengths_b, st: SamplingTensors, sto
     return out, out_lp
 
 
-def generate_reference(model: Transformer, prompts: Sequence[Sequence[int]], sampling: Sequence[dict],
-                       max_tokens: Sequence[int], stop_token_ids: Sequence[int],
-                       max_model_len: int | None = None) -> ReferenceOutput:
+def generate_reference(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    sampling: Sequence[dict],
+    max_tokens: Sequence[int],
+    stop_token_ids: Sequence[int],
+    max_model_len: int | None = None,
+) -> ReferenceOutput:
     """Generates for a batch of token-id prompts on a contiguous cache.
 
     Args:
@@ -91,24 +97,32 @@ def generate_reference(model: Transformer, prompts: Sequence[Sequence[int]], sam
         if not p:
             raise ValueError(f"prompt {i} is empty")
         if len(p) + max_tokens[i] > limit:
-            raise ValueError(f"prompt {i}: {len(p)} prompt tokens + max_tokens {max_tokens[i]} exceed the context "
-                             f"length {limit}")
+            raise ValueError(
+                f"prompt {i}: {len(p)} prompt tokens + max_tokens {max_tokens[i]} exceed the context length {limit}"
+            )
     b = len(prompts)
     t_pad = _bucket(max(len(p) for p in prompts))
     max_new = _bucket(max(max_tokens), 8)
     tokens = np.zeros((b, t_pad), np.int32)
     for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
+        tokens[i, : len(p)] = p
     cfg = model.cfg
     caches = init_contiguous_cache(cfg.num_layers, b, t_pad + max_new, cfg.num_kv_heads, cfg.head_dim, model.dtype)
     stop = np.array(list(stop_token_ids) or [-1], np.int32)
-    out, out_lp = _generate(model, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
-                            SamplingTensors.from_rows(sampling), jnp.asarray(stop),
-                            jnp.asarray(max_tokens, jnp.int32), caches, max_new=max_new)
+    out, out_lp = _generate(
+        model,
+        jnp.asarray(tokens),
+        jnp.asarray([len(p) for p in prompts], jnp.int32),
+        SamplingTensors.from_rows(sampling),
+        jnp.asarray(stop),
+        jnp.asarray(max_tokens, jnp.int32),
+        caches,
+        max_new=max_new,
+    )
     out, out_lp = np.asarray(out), np.asarray(out_lp)
     ids, lps = [], []
     for i in range(b):
-        row = out[i, :max_tokens[i]].tolist()
+        row = out[i, : max_tokens[i]].tolist()
         end = next((j + 1 for j, t in enumerate(row) if t in set(stop_token_ids)), len(row))
         ids.append(row[:end])
         lps.append(out_lp[i, :end].tolist())

@@ -1,0 +1,1 @@
+"""HTTP face: the OpenAI-compatible FastAPI app, its request schemas, the engine thread and the metrics."""

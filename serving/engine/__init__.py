@@ -1,0 +1,2 @@
+"""Device engine: the model runner (bucketed, compiled steps over the paged KV cache), the engine step and the
+public `LLM` API."""
