@@ -67,12 +67,14 @@ def reference_matmul(x: jax.Array, w: QuantizedArray) -> jax.Array:
     return jnp.einsum("...k,kn->...n", x.astype(jnp.float32), wd, precision="highest").astype(x.dtype)
 
 
-def matmul(x: jax.Array, w: QuantizedArray | jax.Array) -> jax.Array:
-    """The door every linear layer goes through: x [..., K] @ w [K, N] -> [..., N] in x's dtype.
+def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.Array:
+    """The door every linear layer goes through: x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x's).
 
     Plain arrays (bf16 / f32) and every quantised format enter here; the implementation is chosen by the format.
+    Accumulation is float32; `out_dtype=jnp.float32` keeps it (the LM head's logits).
     """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     if not isinstance(w, QuantizedArray):
-        return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
     wd = w.dequantize(x.dtype)
-    return jnp.einsum("...i,io->...o", x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("...i,io->...o", x, wd, preferred_element_type=jnp.float32).astype(out_dtype)
