@@ -26,7 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import out_struct, resolve_backend
 
@@ -115,10 +115,10 @@ def load_kv_block(pages_ref, scales_ref, pages, first_token, length, page_size):
     cols = jnp.arange(head_dim)[None, :]
     mask = jnp.broadcast_to(valid[:, None], (n * page_size, head_dim))
     zero = 0 if jnp.issubdtype(pages_ref.dtype, jnp.integer) else 0.0
-    tile = plgpu.load(pages_ref.at[rows[:, None], cols], mask=mask, other=zero)  # [N, D]
+    tile = pltriton.load(pages_ref.at[rows[:, None], cols], mask=mask, other=zero)  # [N, D]
     scales = None
     if scales_ref is not None:
-        scales = plgpu.load(scales_ref.at[rows], mask=valid, other=0.0)  # [N]
+        scales = pltriton.load(scales_ref.at[rows], mask=valid, other=0.0)  # [N]
     return tile, scales, valid
 
 
@@ -270,7 +270,7 @@ def _build_decode_call(
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"paged_decode_ps{page_size}_bt{config.block_tokens}_s{num_splits}",
     )(lengths, block_tables, q4, *flatten_pages(k_pages, v_pages, k_scales, v_scales))
 

@@ -35,7 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import out_struct, resolve_backend
 from pallas_kernels.paged_attention import (
@@ -226,7 +226,7 @@ def _attend_tile(
     acc, _, l = jax.lax.fori_loop(0, pl.cdiv(kv_hi, block_tokens), body, carry)
     out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
     store_mask = jnp.broadcast_to((tok < q_end)[:, None], out.shape)
-    plgpu.store(o_ref.at[pl.ds(q0 * group_rows, rows), :], out, mask=store_mask)
+    pltriton.store(o_ref.at[pl.ds(q0 * group_rows, rows), :], out, mask=store_mask)
 
 
 def _ragged_kernel(
@@ -330,7 +330,7 @@ def _ragged_pallas(
         out_specs=row_spec,
         out_shape=out_struct(q_rows.shape, q.dtype, (q_rows, k_pages, v_pages, block_tables, kv_lens)),
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"ragged_paged_ps{page_size}_m{rows}_bt{config.block_tokens}_{pages_per_block[1]}_{config.schedule}",
     )(tiles, cu_q_lens, kv_lens, block_tables, q_rows, *flatten_pages(k_pages, v_pages, k_scales, v_scales))
 

@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels import flash_attention as flash_module
 from pallas_kernels import flash_attention_mgpu_bwd, shapes
+from pallas_kernels import flash_attention_mgpu_bwd_kernels as mgpu_bwd_kernels
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, reference
 from pallas_kernels.flash_attention_common import KernelStatic
 
@@ -264,7 +265,7 @@ class TestGpuMosaic(TestGpuTriton):
             assert _rel_err(g, r) < 2e-2
 
 
-# ---- Mosaic GPU backward (flash_attention_mgpu_bwd.py) ----
+# ---- Mosaic GPU backward (flash_attention_mgpu_bwd.py, kernel bodies in flash_attention_mgpu_bwd_kernels.py) ----
 # On CPU the unfused kernels run in the Mosaic GPU interpreter (backward(..., interpret=True)): jax 0.11.2's
 # interpreter has no rule for pl.run_state (jaxpr_interpret.py: "TODO(jburnim): Handle run_state_p"; the
 # error is "Cannot lower jaxpr with effects: {_WGMMAPipelineEffect, ...}"), reads wgmma's A only from SMEM and
@@ -302,9 +303,9 @@ def _mgpu_static(q_len, kv_len, causal, q_off):
 )
 def test_mgpu_bwd_block_ranges(q_len, kv_len, causal, q_off):
     """dk/dv kernel: every visible (query, key) pair lies in a visited block; unmasked ones are all visible."""
-    bq, bk = flash_attention_mgpu_bwd.BLOCK, flash_attention_mgpu_bwd.KV_PER_CTA  # dk/dv kernel tiles
+    bq, bk = mgpu_bwd_kernels.BLOCK, mgpu_bwd_kernels.KV_PER_CTA  # dk/dv kernel tiles
     tk_pad = -(-kv_len // bk) * bk
-    dims = flash_attention_mgpu_bwd._Dims(
+    dims = mgpu_bwd_kernels.Dims(
         head_dim=128,
         group=1,
         steps=2,
@@ -318,7 +319,7 @@ def test_mgpu_bwd_block_ranges(q_len, kv_len, causal, q_off):
     kpos = np.arange(tk_pad)[None, :]
     seen = (kpos < kv_len) & ((kpos <= qpos) if causal else True)
     for tile in range(tk_pad // bk):
-        lo, full_lo, hi = (int(x) for x in flash_attention_mgpu_bwd._block_range(jnp.int32(tile * bk), dims))
+        lo, full_lo, hi = (int(x) for x in mgpu_bwd_kernels.block_range(jnp.int32(tile * bk), dims))
         assert 0 <= lo <= full_lo <= hi == -(-q_len // bq)
         tile_seen = seen[:, tile * bk : (tile + 1) * bk]
         rows = np.nonzero(tile_seen.any(axis=1))[0]

