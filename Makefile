@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup model run test test-fast serve bench build-check clean
+.PHONY: setup model run lint test test-gpu serve bench build-check clean
 
 setup:
 	@bash scripts/setup.sh
@@ -13,9 +13,19 @@ model: setup
 run: model
 	@$(PY) -m serving.generate --max_tokens 48
 
-test: model
+lint: setup
+	@$(PY) -m ruff check .
+	@$(PY) -m ruff format --check .
+
+test: model lint
 	@$(PY) tools/gen_build.py --check
 	@$(PY) -m pytest -q -m "not gpu" --timeout 900 tests
+
+# On a GPU host: add the CUDA 13 build of jax to the set-up's .venv (once), then run the GPU-marked tests, 8 workers
+# sharing the GPU; each JAX process allocates GPU memory as it goes instead of preallocating 75% of it.
+test-gpu: model
+	@$(PY) -c "import jax_cuda13_plugin" 2>/dev/null || $(PY) -m pip install -q -e '.[cuda13,serve,dev]'
+	@XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n 8 -m gpu --timeout 900 tests
 
 serve: model
 	@$(PY) -m serving.server
