@@ -27,7 +27,6 @@ def test_empty_cache_misses():
     bm, cache = make()
     m = cache.match_prefix([1, 2, 3, 4])
     assert m.block_ids == [] and m.num_tokens == 0 and m.node.is_root
-    assert cache.num_queried_tokens == 4 and cache.num_hit_tokens == 0
 
 
 def test_match_at_every_depth():
@@ -158,13 +157,20 @@ def test_namespaces_never_share():
     cache.check_invariants()
 
 
-def test_hit_rate_counters():
+def test_cached_prefixes_spell_paths():
     bm, cache = make()
     cache_seq(bm, cache, [1, 2, 3, 4])
-    cache.match_prefix([1, 2, 3, 4, 5, 6])  # 4 of 6.
-    cache.match_prefix([9, 9])  # 0 of 2.
-    assert cache.num_queried_tokens == 8 and cache.num_hit_tokens == 4
-    assert cache.hit_rate == pytest.approx(0.5)
+    cache_seq(bm, cache, [1, 2, 5, 6], "ns")
+    cache_seq(bm, cache, [1, 2, 7, 8])  # Splits [1 2 | 3 4] into [1 2] -> [3 4], [7 8].
+    assert sorted(cache.cached_prefixes(), key=repr) == sorted(
+        [
+            (None, (1, 2), [1]),
+            (None, (1, 2, 3, 4), [1, 2]),
+            (None, (1, 2, 7, 8), [1, 6]),
+            ("ns", (1, 2, 5, 6), [3, 4]),
+        ],
+        key=repr,
+    )
 
 
 def test_heap_stays_bounded_under_repeated_hits():

@@ -1,4 +1,4 @@
-"""Scheduler: token budget, chunked prefill, prefix hits, preemption, stops, abort, fork, randomized stress.
+"""Scheduler: token budget, chunked prefill, prefix hits, preemption, stops, abort, draft tokens, randomized stress.
 
 Pools are tiny (block_size 4) so block ids are exact: the free queue hands out 1, 2, 3, ... in order.
 """
@@ -264,8 +264,6 @@ def test_request_that_can_never_fit_is_rejected_at_add():
     s.add_request(req("ok", 8, max_tokens=9))  # 16 positions: fits exactly.
     with pytest.raises(RequestRejected, match="empty prompt"):
         s.add_request(req("e", []))
-    with pytest.raises(RequestRejected, match="top_p"):
-        s.add_request(req("p", 4, top_p=0.0))
     with pytest.raises(ValueError, match="duplicate"):
         s.add_request(req("ok", 4))
     assert s.has_unfinished() is not False and s.num_waiting == 1
@@ -375,25 +373,6 @@ def test_priority_policy_admits_by_priority_then_arrival():
     assert sorted(by_id(out)) == ["high", "mid"]
 
 
-def test_fork_shares_prompt_blocks_and_copies_on_write():
-    s = make()
-    parent = req("p", 6)
-    s.add_request(parent)
-    step(s)  # Prompt in blocks [1, 2]; token 7 sampled.
-    child = req("c", 6)
-    s.fork("p", child)
-    assert child.block_ids == [1, 2] and s.block_manager.refcount(2) == 2
-    out, _ = step(s, per_request={"p": 11, "c": 12})
-    rows = by_id(out)
-    # The parent writes position 6 into the shared block 2 first, so it gets the copy.
-    assert out.cow_pairs == [(2, 3)]
-    assert rows["p"].block_table == [1, 3] and rows["p"].start_pos == 6
-    assert rows["c"].block_table == [1, 2] and (rows["c"].start_pos, rows["c"].token_ids) == (5, [105])
-    assert child.output_token_ids == [12] and parent.output_token_ids == [7, 11]
-    with pytest.raises(ValueError):
-        s.fork("p", req("d", 5))
-
-
 def test_allocation_evicts_least_recently_used_cache_blocks_only_as_needed():
     s = make(num_blocks=9, caching=True)  # 8 usable blocks.
     for rid, base in (("old", 100), ("new", 300)):
@@ -472,7 +451,6 @@ def test_sampling_params_validation():
         dict(stop_token_ids=(-1,)),
         dict(min_tokens=20),
         dict(logprobs=-1),
-        dict(n=0),
     ]
     for kwargs in bad:
         (name,) = kwargs
@@ -491,6 +469,46 @@ def test_request_token_bookkeeping():
 def _random_prompt(rng, prefixes):
     prefix = rng.choice(prefixes)
     return prefix[: rng.randint(0, len(prefix))] + [rng.randint(3, 40) for _ in range(rng.randint(1, 14))]
+
+
+class FakeKV:
+    """A simulated device KV pool: slot -> the token prefix whose last position's KV it holds (KV at position p
+    depends on tokens 0..p). The runner's writes and page copies are replayed, so stale or rejected-draft KV
+    that a request or the prefix cache counted as valid is caught."""
+
+    def __init__(self):
+        self.slots = {}
+
+    def run(self, out, rows):
+        """Copies out.cow_pairs pages, then writes rows: (sequence, start, n, block table)."""
+        for src, dst in out.cow_pairs:
+            for j in range(BS):
+                self.slots[dst * BS + j] = self.slots.get(src * BS + j)
+        for seq, start, n, table in rows:
+            for p in range(start, start + n):
+                self.slots[table[p // BS] * BS + p % BS] = tuple(seq[: p + 1])
+
+    def check(self, s):
+        for r in s.running:
+            for p in range(r.num_computed_tokens):
+                got = self.slots.get(r.block_ids[p // BS] * BS + p % BS)
+                assert got == tuple(r.all_token_ids[: p + 1]), f"{r.request_id}: stale KV at position {p}"
+        for _, tokens, blocks in s.cache.cached_prefixes() if s.cache else ():
+            for p in range(len(tokens)):
+                assert self.slots.get(blocks[p // BS] * BS + p % BS) == tokens[: p + 1], f"cached KV at {p}"
+
+
+def _set_drafts(s, rng):
+    """The engine's part: random drafts on some running requests (decode rows use them, prefills must not)."""
+    for r in s.running:
+        if rng.random() < 0.5:
+            r.spec_token_ids = [EOS if rng.random() < 0.05 else rng.randint(3, 40) for _ in range(rng.randint(0, 5))]
+
+
+def _verify(sr, rng):
+    """Tokens the verifier returns for a draft row: a random prefix of the drafts, then a bonus/correction."""
+    accepted = rng.randint(0, sr.num_draft)
+    return sr.token_ids[1 : 1 + accepted] + [EOS if rng.random() < 0.08 else rng.randint(3, 40)]
 
 
 @pytest.mark.parametrize(
@@ -520,7 +538,8 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
         schedule_running(out, scheduled, protect)
 
     s._schedule_running = spy
-    next_id, preemptions, finished, forks, copies, repeats = 0, 0, 0, 0, 0, 0
+    kv = FakeKV()
+    next_id, preemptions, finished, drafts, accepted, repeats = 0, 0, 0, 0, 0, 0
     outputs_at_preemption = {}
     for _ in range(1000):
         op = rng.random()
@@ -543,39 +562,41 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
             s.abort(rng.choice(sorted(s.requests)))
         elif op < 0.33 and s.running:
             s.finish(rng.choice(s.running).request_id, "stop")
-        elif op < 0.38 and s.running and len(s.running) < s.max_num_seqs:
-            parent = rng.choice(s.running)
-            if parent.num_computed_tokens >= parent.num_prompt_tokens:
-                s.fork(
-                    parent.request_id,
-                    Request(f"r{next_id}", parent.prompt_token_ids, parent.sampling_params, eos_token_ids=(EOS,)),
-                )
-                next_id += 1
-                forks += 1
+        _set_drafts(s, rng)
         out = s.schedule()
         assert out.num_batched_tokens <= s.max_num_batched_tokens
         assert out.num_batched_tokens == sum(len(sr.token_ids) for sr in out.scheduled)
         for sr in out.scheduled:
             assert len(sr.block_table) >= -(-(sr.start_pos + len(sr.token_ids)) // BS)  # More after a lookahead.
             assert 0 not in sr.block_table
+            assert sr.token_ids[len(sr.token_ids) - sr.num_draft :] == sr.request.spec_token_ids[: sr.num_draft]
+            assert sr.start_pos + len(sr.token_ids) <= s.max_model_len
         computed = None
-        if out.scheduled and all(sr.sample and len(sr.token_ids) == 1 for sr in out.scheduled) and rng.random() < 0.3:
+        plain = all(sr.sample and len(sr.token_ids) == 1 for sr in out.scheduled)
+        if out.scheduled and plain and rng.random() < 0.3:
             k = rng.randint(2, 4)  # Multi-step decode loop.
-            if s.reserve_lookahead([sr.request for sr in out.scheduled], k - 1, []):
+            if s.reserve_lookahead([sr.request for sr in out.scheduled], k - 1, out.cow_pairs):
                 computed = {sr.request_id: k for sr in out.scheduled}
+        sampled = {}
+        for sr in out.scheduled:
+            if sr.num_draft:
+                sampled[sr.request_id] = _verify(sr, rng)
+                drafts, accepted = drafts + sr.num_draft, accepted + len(sampled[sr.request_id]) - 1
+            elif sr.sample:
+                n = computed[sr.request_id] if computed else rng.choice([1, 1, 1, 3])
+                sampled[sr.request_id] = [EOS if rng.random() < 0.08 else rng.randint(3, 40) for _ in range(n)]
+        rows = []  # What the runner writes: the scheduled tokens (drafts too), a loop's sampled tokens.
+        for sr in out.scheduled:
+            seq = sr.request.all_token_ids[: sr.start_pos] + sr.token_ids
+            n = len(sr.token_ids)
+            if computed:
+                seq, n = seq + sampled[sr.request_id], computed[sr.request_id]
+            rows.append((seq, sr.start_pos, n, sr.request.block_ids if computed else sr.block_table))
+        kv.run(out, rows)
         if rng.random() < 0.1 and s.requests:
             s.abort(rng.choice(sorted(s.requests)))  # Between schedule and update.
-        sampled = {
-            sr.request_id: [
-                EOS if rng.random() < 0.08 else rng.randint(3, 40)
-                for _ in range(computed[sr.request_id] if computed else rng.choice([1, 1, 1, 3]))
-            ]
-            for sr in out.scheduled
-            if sr.sample
-        }
         finished += len(s.update(out, sampled, computed=computed))
         preemptions += len(out.preempted_ids)
-        copies += len(out.cow_pairs)
         for rid in out.preempted_ids:
             r = s.requests.get(rid)
             if r is not None and outputs_at_preemption.get(rid) == r.num_output_tokens:
@@ -585,13 +606,18 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
             if r is not None:
                 outputs_at_preemption[rid] = r.num_output_tokens
         s.check_invariants()
+        kv.check(s)
+        for sr in out.scheduled:  # A verified row keeps no block past its accepted positions, and no drafts.
+            if sr.num_draft and sr.request.status is RequestStatus.RUNNING:
+                r = sr.request
+                assert len(r.block_ids) == -(-r.num_computed_tokens // BS) and r.spec_token_ids == []
     while s.has_unfinished():  # Drain: everything must finish.
         out, done = step(s, token=rng.randint(3, 40))
         assert out.scheduled
         finished += len(done)
     s.check_invariants()
-    print(f"finished={finished} preemptions={preemptions} repeats={repeats} forks={forks} copies={copies} {s.stats()}")
-    assert finished > 20 and preemptions > 0
+    print(f"finished={finished} preemptions={preemptions} repeats={repeats} drafts={drafts}/{accepted} {s.stats()}")
+    assert finished > 20 and preemptions > 0 and drafts > 0 and 0 < accepted < drafts
     cached = s.cache.num_cached_blocks if caching else 0
     assert s.block_manager.num_used == cached
     if caching:

@@ -111,17 +111,11 @@ class RadixCache:
         self._num_nodes = 0
         self.num_cached_blocks = 0
         self._num_locked_blocks = 0
-        self.num_queried_tokens = 0
-        self.num_hit_tokens = 0
 
     @property
     def num_evictable_blocks(self) -> int:
         """Cached blocks in unlocked nodes (an upper bound on what `evict` can free)."""
         return self.num_cached_blocks - self._num_locked_blocks
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
     def root(self, namespace: Hashable = None) -> RadixNode:
         node = self._roots.get(namespace)
@@ -133,7 +127,7 @@ class RadixCache:
         """Finds the longest cached prefix of `token_ids` made of full blocks.
 
         A match ending inside an edge splits that edge, so the returned node covers exactly the matched blocks.
-        Every node on the path is marked as just used. Counts len(token_ids) queried and the match as hit.
+        Every node on the path is marked as just used. (Hit counters are the KVManager's.)
         """
         bs = self.block_size
         now = self._tick()
@@ -154,8 +148,6 @@ class RadixCache:
             self._touch(node, now)
             if partial:
                 break
-        self.num_queried_tokens += len(token_ids)
-        self.num_hit_tokens += pos
         return PrefixMatch(node, blocks, pos)
 
     def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None) -> InsertResult:
@@ -283,6 +275,20 @@ class RadixCache:
                 node = stack.pop()
                 out.extend(node.block_ids)
                 stack.extend(node.children.values())
+        return out
+
+    def cached_prefixes(self) -> list[tuple[Hashable, tuple[int, ...], list[int]]]:
+        """(namespace, path tokens, path blocks) for every non-root node: the prefix it spells and the blocks
+        that hold its KV (for tests that check cached KV against its tokens)."""
+        out = []
+        for namespace, root in self._roots.items():
+            stack = [(root, (), [])]
+            while stack:
+                node, tokens, blocks = stack.pop()
+                for child in node.children.values():
+                    path = (tokens + child.token_ids, blocks + child.block_ids)
+                    out.append((namespace, *path))
+                    stack.append((child, *path))
         return out
 
     def _tick(self) -> int:

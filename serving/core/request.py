@@ -9,8 +9,13 @@ to `Scheduler.add_request`, and from then on the scheduler owns its mutable stat
 
 `num_computed_tokens` only counts positions whose KV is written. A sampled token is appended to the outputs
 before its KV exists, so during decoding `num_tokens - num_computed_tokens == 1`; the next step computes it and
-samples the following token. Prefill chunks, prefix-cache hits, decode rows and recomputation after a
-preemption are all the same arithmetic on these two numbers.
+samples the following token. Prefill chunks, prefix-cache hits, decode rows, speculative verification and
+recomputation after a preemption are all the same arithmetic on these two numbers. With draft tokens
+(`spec_token_ids`) a decode row computes 1 + len(drafts) positions; the KV of the drafts is provisional until
+`update` accepts some of them, and `num_computed_tokens` then counts only the accepted ones:
+
+    start = num_computed_tokens          this step: [t0 d1 d2 d3] at start .. start+3
+    accepted d1, bonus token b           outputs += [d1, b]; num_computed_tokens = start + 2 (t0, d1 written)
 
 `RequestOutput` is what the engine streams back per step; detokenisation (the text delta) and stop strings are
 the engine's job, token-level stop conditions are the scheduler's.
@@ -47,7 +52,6 @@ class SamplingParams:
         min_tokens: EOS and stop_token_ids do not end generation before this many outputs.
         ignore_eos: keep generating through EOS (stop_token_ids still apply).
         logprobs: number of top logprobs to return per output token; None disables them.
-        n: number of independent completions; the engine fans a request out into n sequences.
     """
 
     max_tokens: int = 16
@@ -64,7 +68,6 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
-    n: int = 1
 
     def validate(self) -> SamplingParams:
         """Checks every field; returns self so that calls chain.
@@ -110,7 +113,6 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
             f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",
         )
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         return self
 
 
@@ -138,12 +140,12 @@ class RequestStatus(enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One sequence being generated. Fields below `num_computed_tokens` are owned by the scheduler.
+    """One sequence being generated. Fields from `num_computed_tokens` to `block_ids` are owned by the scheduler.
 
     Attributes:
         request_id: unique id.
         prompt_token_ids: the prompt (non-empty).
-        sampling_params: decoding options (validated by the scheduler on admission).
+        sampling_params: decoding options (validated where they enter: LLM.generate, the server).
         eos_token_ids: token ids that count as EOS for this model.
         arrival_time: time.monotonic() at creation; FCFS order.
         priority: lower is served earlier (only with the scheduler's "priority" policy).
@@ -157,7 +159,11 @@ class Request:
         finish_message: human-readable detail for 'error' (and optional for others).
         num_cached_tokens: prompt tokens served from the prefix cache at the (last) admission.
         num_preemptions: times this request was preempted.
-        block_ids: KV blocks covering positions [0, num_computed_tokens + scheduled); scheduler-owned.
+        block_ids: KV blocks covering positions [0, num_computed_tokens + scheduled); changed only by the
+            scheduler's KVManager.
+        spec_token_ids: draft tokens proposed to follow all_token_ids, set by the engine before `schedule` for
+            speculative verification (empty: none). A decode row then computes its last token and the drafts in
+            one step; `update` accepts a prefix of them and clears the list.
     """
 
     request_id: str
@@ -176,6 +182,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)

@@ -2,49 +2,56 @@
 
 One step of the engine:
 
+    (engine sets request.spec_token_ids on decode rows it has drafts for)
     out = scheduler.schedule()                  # which tokens of which requests to compute, and where
-    ...runner copies out.cow_pairs pages, computes out.scheduled, samples rows with .sample...
+    ...runner copies out.cow_pairs pages, computes out.scheduled, samples (or verifies) rows with .sample...
     done = scheduler.update(out, {request_id: [token, ...]})
 
-Between steps the engine may call add_request (raises RequestRejected for a request that can never run),
-abort / finish (any state; blocks released), fork (parallel sampling), stats(); within a step,
-reserve_lookahead before a multi-step decode loop (then update(..., computed=...)).
+Between steps the engine may call add_request (raises RequestRejected for a request that never fits), abort /
+finish (any state; blocks released), stats(); within a step, reserve_lookahead before a multi-step decode loop.
 
 There is one path for every kind of work, as in vLLM v1: a request needs `num_tokens - num_computed_tokens`
 more positions computed. A fresh prompt needs all of them (minus prefix-cache hits), a decode row needs 1 (the
-token sampled last step), a request resumed after preemption needs its prompt and outputs again. Each step:
+token sampled last step) plus its draft tokens, a request resumed after preemption needs its prompt and outputs
+again. Each step:
 
 1. Running requests, decode rows (one token left) first, then unfinished prefills, each group oldest first.
-   Each takes min(remaining, budget left, long_prefill_token_threshold) tokens. When blocks run out the youngest
-   unscheduled running request is preempted by recompute (its computed full blocks go to the prefix cache, its
-   references are dropped, it returns to the front of the waiting queue with num_computed_tokens = 0).
+   Each takes min(remaining, budget left, long_prefill_token_threshold) tokens; a decode row with k drafts
+   takes 1 + k, the drafts trimmed to the budget (less one token per later decode row), max_model_len and
+   max_tokens. When blocks run out the
+   youngest unscheduled running request is preempted by recompute (its committed full blocks go to the prefix
+   cache, its references are dropped, it returns to the front of the waiting queue with num_computed_tokens =
+   0). Blocks for drafts are taken only after every running row has its own, as many drafts as fit, so drafts
+   never cause a preemption (budget of drafts that do not fit goes back to admission).
    No livelock: a request resumed after preemption is protected until it samples a new token. It is never a
    victim; when it is short of blocks itself and only protected requests are left to preempt, it waits (keeping
    its blocks) while unprotected requests run or preempt themselves. Only when a whole step would schedule
    nothing (every running request protected and blocked) is protection dropped for that step. So each
    preemption of a request is followed by a new token of it, and every step makes progress.
 2. If nothing was preempted, waiting requests in FCFS order (or by priority, then arrival), while slots, budget
-   and blocks last. Admission looks up the prefix cache for `all_token_ids[:-1]`: at least the last token is
-   always computed so that its logits exist. A request starts only when blocks for all its known tokens are free
-   or evictable (it then allocates chunk by chunk), so half-computed prefills do not fill the pool and preempt
-   each other. A request that cannot start stays at the head of the queue
-   (admission never preempts, so priority orders admission and victims but does not evict running requests).
-   Requests that could never fit (prompt over max_model_len, more blocks than the pool) are refused by
-   `add_request` instead of waiting forever.
+   and blocks last. Admission takes the cached prefix of `all_token_ids[:-1]` (KVManager.lookup_prefix). A
+   request starts only when blocks for all its known tokens are free or evictable (it then allocates chunk by
+   chunk), so half-computed prefills do not fill the pool and preempt each other. A request that cannot start
+   stays at the head of the queue (admission never preempts, so priority orders admission and victims but does
+   not evict running requests). Requests that could never fit (prompt over max_model_len, more blocks than the
+   pool) are refused by `add_request` instead of waiting forever. Each request is one sequence
+   (the server fans n choices out into requests sharing the prompt through the prefix cache). SamplingParams
+   arrive validated: they are checked once, where they enter (LLM.generate, the server's request conversion).
 
-Each request is one sequence: SamplingParams.n is the engine's to fan out (separate requests sharing the prompt
-through the prefix cache, or `fork` after the prompt is computed).
+Speculative verification of a decode row, and what `update` does with it:
 
-Block tables:
+    positions   start   start+1  start+2  start+3         start = num_computed_tokens
+    scheduled   t0      d1       d2       d3              num_draft = 3, 4 tokens of budget
+    verified    d1 ok   d2 ok    d3 bad -> correction c   update gets [d1, d2, c]
+    after       num_computed = start + 3 (t0 d1 d2); outputs += [d1, d2, c]; the KV at start+3 is garbage,
+                blocks past ceil((start + 3) / block_size) are rolled back; c is computed next step
 
-    positions  0 .. start-1 (KV written)     start .. start+len-1 (this step)
-    blocks     [ b0 | b1 | ... | b(k-1) ]    block_table = all blocks covering positions < start + len
-
-Writes into a block shared with someone else (refcount > 1) first copy it (copy-on-write; only requests made
-by `fork` share a block they write). Block 0 is the null page (see block_manager.py) and never appears.
+Block tables, copy-on-write, the prefix cache and provisional positions are the KVManager's (kv_manager.py):
+the scheduler asks it for capacity and never touches a block itself. Block 0 is the null page, never in a table.
 
 Stop conditions at the token level (EOS unless ignore_eos, stop_token_ids, both only once min_tokens outputs
-exist; max_tokens; max_model_len) are checked in `update`. Stop strings are the engine's: it calls `finish`.
+exist; max_tokens; max_model_len) are checked in `update`, token by token over a row's tokens (so accepted
+drafts stop exactly where one-at-a-time decoding would). Stop strings are the engine's: it calls `finish`.
 Everything here must be called from one thread, between steps (never between `schedule` and `update`).
 """
 
@@ -52,90 +59,19 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from serving.core.block_manager import BlockManager
-from serving.core.radix_cache import RadixCache, RadixNode
+from serving.core.kv_manager import KVManager, cdiv
+from serving.core.radix_cache import RadixCache
 from serving.core.request import FinishReason, Request, RequestStatus
-
-
-class RequestRejected(ValueError):
-    """Raised by `add_request` for a request that can never be served; the request is marked finished
-    ('error') with the reason as its finish_message."""
-
-
-@dataclasses.dataclass
-class ScheduledRequest:
-    """One request's work in a step.
-
-    Attributes:
-        request: the request (read its sampling params and token history; do not mutate it).
-        token_ids: tokens whose KV is computed this step, at positions start_pos .. start_pos + len - 1.
-        start_pos: num_computed_tokens before the step.
-        block_table: block ids covering positions 0 .. start_pos + len(token_ids) - 1.
-        sample: whether a token is sampled from the logits of the last position (the chunk reaches the end of
-            the known tokens); otherwise this is a non-final prefill chunk.
-    """
-
-    request: Request
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample: bool
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's plan.
-
-    Attributes:
-        scheduled: per-request work, decode rows first.
-        cow_pairs: (src, dst) pages the runner copies before the step's KV writes.
-        preempted_ids: requests preempted this step (they lost their KV and wait to be recomputed).
-        num_batched_tokens: sum of len(token_ids) over scheduled (<= max_num_batched_tokens).
-    """
-
-    scheduled: list[ScheduledRequest] = dataclasses.field(default_factory=list)
-    cow_pairs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    preempted_ids: list[str] = dataclasses.field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot for metrics. Prefix counters count each request's first admission only."""
-
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    num_preemptions: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from serving.core.scheduler_output import RequestRejected, ScheduledRequest, SchedulerOutput, SchedulerStats
 
 
 class Scheduler:
-    """Owns requests, the block pool and the prefix cache; see the module docstring for the step protocol."""
+    """Owns requests and their KVManager; see the module docstring for the step protocol."""
 
     def __init__(
         self,
@@ -181,24 +117,37 @@ class Scheduler:
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.block_manager = BlockManager(num_blocks)
-        self.cache = RadixCache(self.block_manager, block_size) if enable_prefix_caching else None
+        self.kv = KVManager(num_blocks, block_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # Unfinished requests.
         self.running: list[Request] = []
         self._waiting: collections.deque[Request] | list[Request] = [] if policy == "priority" else collections.deque()
         self._add_order: dict[str, int] = {}
         self._counter = itertools.count()
-        self._lock_node: dict[str, RadixNode] = {}  # Deepest cache node a request uses, locked.
-        self._num_tree_blocks: dict[str, int] = {}  # Leading blocks of a request that are in the cache.
         self._needs_progress: set[str] = set()  # Resumed after preemption, no new token yet.
         self.num_preemptions = 0
-        self.prefix_queried_tokens = 0
-        self.prefix_hit_tokens = 0
 
     @property
     def max_blocks_per_seq(self) -> int:
         """Width of a block table row that covers max_model_len tokens."""
-        return _cdiv(self.max_model_len, self.block_size)
+        return cdiv(self.max_model_len, self.block_size)
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The KVManager's pool (read it; blocks change only through `kv`)."""
+        return self.kv.block_manager
+
+    @property
+    def cache(self) -> RadixCache | None:
+        """The KVManager's prefix cache, or None (read it; blocks change only through `kv`)."""
+        return self.kv.cache
+
+    @property
+    def prefix_queried_tokens(self) -> int:
+        return self.kv.prefix_queried_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.kv.prefix_hit_tokens
 
     @property
     def num_waiting(self) -> int:
@@ -215,12 +164,12 @@ class Scheduler:
         return SchedulerStats(
             num_waiting=self.num_waiting,
             num_running=self.num_running,
-            num_free_blocks=self.block_manager.num_free,
-            num_used_blocks=self.block_manager.num_used,
-            num_cached_blocks=self.cache.num_cached_blocks if self.cache else 0,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_used_blocks=self.kv.num_used_blocks,
+            num_cached_blocks=self.kv.num_cached_blocks,
             num_preemptions=self.num_preemptions,
-            prefix_queried_tokens=self.prefix_queried_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens,
+            prefix_queried_tokens=self.kv.prefix_queried_tokens,
+            prefix_hit_tokens=self.kv.prefix_hit_tokens,
         )
 
     # ----------------------------------------------------------------------------------------------- requests
@@ -230,7 +179,7 @@ class Scheduler:
 
         Raises:
             ValueError: for a duplicate request_id.
-            RequestRejected: when the request can never be served (invalid sampling params, empty prompt,
+            RequestRejected: when the request can never be served (empty prompt,
                 prompt longer than max_model_len, more KV blocks than the pool has, or, without chunked
                 prefill, a prompt over the token budget). The request is marked finished with reason 'error'.
         """
@@ -256,7 +205,7 @@ class Scheduler:
         prefix cache, its references are dropped, and it leaves the scheduler."""
         req = self.requests.pop(request_id)
         if req.status is RequestStatus.RUNNING:
-            self._release(req)
+            self.kv.release(req)
             self.running.remove(req)
         else:
             self._waiting.remove(req)
@@ -264,37 +213,6 @@ class Scheduler:
         self._add_order.pop(request_id, None)
         self._needs_progress.discard(request_id)
         return req
-
-    def fork(self, parent_id: str, child: Request) -> None:
-        """Starts `child` (same prompt, no outputs) sharing the parent's prompt KV, for parallel sampling.
-
-        The parent must be running with its prompt computed. The child shares the parent's prompt blocks and
-        recomputes only the last prompt token, so its next step samples its own first token; the block holding
-        that position is shared, so the write copies it (a copy-on-write pair in that step's output).
-
-        Raises:
-            ValueError: when the parent is not running past its prompt, the prompts differ, or the running set
-                is full.
-        """
-        parent = self.requests.get(parent_id)
-        if parent is None or parent.status is not RequestStatus.RUNNING:
-            raise ValueError(f"fork: parent {parent_id!r} is not running")
-        if parent.num_computed_tokens < parent.num_prompt_tokens:
-            raise ValueError(f"fork: parent {parent_id!r} has not finished its prompt")
-        if tuple(child.prompt_token_ids) != parent.prompt_token_ids or child.output_token_ids:
-            raise ValueError("fork: the child must have the parent's prompt and no outputs")
-        if child.request_id in self.requests or len(self.running) >= self.max_num_seqs:
-            raise ValueError(f"fork: duplicate id {child.request_id!r} or running set full")
-        reason = self._rejection(child)
-        if reason is not None:
-            raise RequestRejected(f"request {child.request_id!r} rejected: {reason}")
-        child.block_ids = parent.block_ids[: _cdiv(child.num_prompt_tokens, self.block_size)]
-        self.block_manager.incref(child.block_ids)
-        child.num_computed_tokens = child.num_prompt_tokens - 1
-        child.status = RequestStatus.RUNNING
-        self.requests[child.request_id] = child
-        self._add_order[child.request_id] = next(self._counter)
-        self.running.append(child)
 
     # ---------------------------------------------------------------------------------------------- schedule
 
@@ -307,6 +225,7 @@ class Scheduler:
             # Every running request is protected and waiting for blocks: only preempting one of them can unblock
             # the others.
             self._schedule_running(out, scheduled, protect=False)
+        self._attach_drafts(out)
         if not out.preempted_ids:
             self._admit_waiting(out)
         return out
@@ -314,16 +233,33 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[str], protect: bool) -> None:
         """Decode rows first, then unfinished prefills, each oldest first, while the budget lasts."""
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._age(r)))
+        decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in order)
         for req in order:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
                 return
+            decodes_left -= req.num_tokens - req.num_computed_tokens == 1
             if req.status is not RequestStatus.RUNNING:
                 continue  # Preempted earlier in this loop.
             n = self._num_new_tokens(req, budget)
             if self._allocate_or_preempt(req, n, scheduled, out, protect):
-                self._emit(req, n, out)
+                # Drafts leave one token of budget for each later decode row.
+                self._emit(req, n, out, num_draft=self._num_drafts(req, budget - decodes_left))
                 scheduled.add(req.request_id)
+
+    def _attach_drafts(self, out: SchedulerOutput) -> None:
+        """Takes blocks for the drafts of this step's decode rows once every running row has its own (so drafts
+        never cause a preemption): as many drafts as fit, the budget of the others returned to admission."""
+        for sr in out.scheduled:
+            req, k = sr.request, sr.num_draft
+            if not k:
+                continue
+            while k and not self.kv.can_allocate(req, 1 + k):
+                k -= 1
+            if k and not out.take(self.kv.append_provisional(req, k)):
+                k = 0
+            out.num_batched_tokens -= sr.num_draft - k
+            sr.token_ids, sr.num_draft, sr.block_table = sr.token_ids[: 1 + k], k, list(req.block_ids)
 
     def _admit_waiting(self, out: SchedulerOutput) -> None:
         """Starts waiting requests at the head of the queue while slots, budget and blocks last."""
@@ -332,73 +268,49 @@ class Scheduler:
             if budget <= 0:
                 return
             req = self._waiting[0]
-            node = self._lookup_prefix(req)
+            self.kv.lookup_prefix(req)
             n = self._num_new_tokens(req, budget)
             # Without chunked prefill a prompt starts only whole; a resumed request may exceed the budget with
             # its outputs, so it is chunked regardless (else it could never run again).
             whole = n == req.num_tokens - req.num_computed_tokens
             chunk_ok = self.enable_chunked_prefill or req.num_preemptions > 0
-            if not (whole or chunk_ok) or not self._fits_whole(req) or not self._allocate(req, n, out.cow_pairs):
-                self._drop_blocks(req, node)  # Undo the prefix hit; retry next step.
+            if (
+                not (whole or chunk_ok)
+                or not self.kv.can_allocate(req, req.num_tokens - req.num_computed_tokens)
+                or not out.take(self.kv.allocate(req, n))
+            ):
+                self.kv.release(req)  # Undo the prefix hit; retry next step.
+                req.num_computed_tokens = 0
                 return
             self._pop_waiting()
-            if node is not None:
-                self._lock_node[req.request_id] = node
-                self._num_tree_blocks[req.request_id] = req.num_computed_tokens // self.block_size
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = req.num_computed_tokens
-                self.prefix_queried_tokens += req.num_prompt_tokens
-                self.prefix_hit_tokens += req.num_computed_tokens
+            self.kv.record_admission(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._emit(req, n, out)
 
-    def _fits_whole(self, req: Request) -> bool:
-        """Whether blocks for all of req's known tokens are free or evictable now. Checked at admission so that
-        chunked prefills (resumed requests especially) start only when they can finish, rather than filling the
-        pool with half-computed requests that then preempt each other."""
-        need = _cdiv(req.num_tokens, self.block_size) - len(req.block_ids)
-        evictable = self.cache.num_evictable_blocks if self.cache else 0
-        return need <= self.block_manager.num_free + evictable
-
-    def _lookup_prefix(self, req: Request) -> RadixNode | None:
-        """Takes the cached prefix of all but the last token: references its blocks and locks its node."""
-        if self.cache is None:
-            return None
-        match = self.cache.match_prefix(req.all_token_ids[: req.num_tokens - 1], req.cache_namespace)
-        self.cache.lock(match.node)
-        self.block_manager.incref(match.block_ids)
-        req.block_ids = list(match.block_ids)
-        req.num_computed_tokens = match.num_tokens
-        return match.node
-
-    def _drop_blocks(self, req: Request, node: RadixNode | None) -> None:
-        self.block_manager.free(req.block_ids)
-        req.block_ids = []
-        req.num_computed_tokens = 0
-        if node is not None:
-            self.cache.unlock(node)
-
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if self.long_prefill_token_threshold:
-            n = min(n, self.long_prefill_token_threshold)
-        return n
+        return min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_token_threshold or budget)
 
-    def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
+    def _num_drafts(self, req: Request, budget: int) -> int:
+        """Draft tokens a decode row can verify this step: its drafts trimmed to the budget (after its own
+        token), to max_model_len (the last draft's position must exist) and to max_tokens (a draft past it could
+        never be emitted)."""
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        cap = self.long_prefill_token_threshold or budget
+        room = self.max_model_len - req.num_tokens
+        left = req.sampling_params.max_tokens - req.num_output_tokens - 1
+        return max(0, min(len(req.spec_token_ids), min(budget, cap) - 1, room, left))
+
+    def _emit(self, req: Request, n: int, out: SchedulerOutput, num_draft: int = 0) -> None:
         start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + n] + req.spec_token_ids[:num_draft]
         out.scheduled.append(
-            ScheduledRequest(
-                req,
-                req.all_token_ids[start : start + n],
-                start,
-                list(req.block_ids),
-                sample=start + n == req.num_tokens,
-            )
+            ScheduledRequest(req, tokens, start, list(req.block_ids), start + n == req.num_tokens, num_draft)
         )
-        out.num_batched_tokens += n
+        out.num_batched_tokens += len(tokens)
 
-    # ------------------------------------------------------------------------------------ blocks, preemption
+    # ------------------------------------------------------------------------------------------- preemption
 
     def _allocate_or_preempt(
         self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput, protect: bool
@@ -408,7 +320,7 @@ class Scheduler:
         not sampled since are never victims; a protected req with no victim waits, keeping its blocks.
 
         Returns False when req was preempted or must wait."""
-        while not self._allocate(req, n, out.cow_pairs):
+        while not out.take(self.kv.allocate(req, n)):
             candidates = [
                 r
                 for r in self.running
@@ -423,73 +335,18 @@ class Scheduler:
                 return False
         return True
 
-    def _allocate(self, req: Request, n: int, cow_pairs: list[tuple[int, int]]) -> bool:
-        """Makes req's blocks cover positions < num_computed_tokens + n and private where written.
-
-        Evicts from the prefix cache when the free queue is short. Returns False, taking no blocks, when even the
-        evictable cache cannot cover the shortfall (or, rarely, when evicted blocks turned out to be shared)."""
-        bm, bs = self.block_manager, self.block_size
-        start, end = req.num_computed_tokens, req.num_computed_tokens + n
-        if n == 1 and start // bs < len(req.block_ids) and bm.refcount(req.block_ids[start // bs]) == 1:
-            return True  # Decode fast path: the token goes into a private block already held.
-        num_new = max(0, _cdiv(end, bs) - len(req.block_ids))
-        written = range(start // bs, min(len(req.block_ids), _cdiv(end, bs)))
-        shared = [i for i in written if bm.refcount(req.block_ids[i]) > 1]
-        need = num_new + len(shared)
-        if need > bm.num_free:
-            evictable = self.cache.num_evictable_blocks if self.cache else 0
-            if need > bm.num_free + evictable:
-                return False
-            self.cache.evict(need - bm.num_free)
-            if need > bm.num_free:
-                return False
-        for i in shared:
-            cow = bm.copy_on_write(req.block_ids[i])
-            req.block_ids[i] = cow.block_id
-            cow_pairs.append(cow.pair)
-        req.block_ids.extend(bm.allocate(num_new))
-        return True
-
     def _preempt(self, req: Request) -> None:
-        """Preemption by recompute: keep outputs, drop KV (cached where full), back to the waiting head."""
-        self._release(req)
+        """Preemption by recompute: keep outputs, drop KV (cached where full) and drafts, back to the waiting
+        head."""
+        self.kv.release(req)
         self.running.remove(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._needs_progress.add(req.request_id)
         self._push_waiting(req, front=True)
-
-    def _release(self, req: Request) -> None:
-        """Caches req's computed full blocks, unlocks its cache node and drops its block references."""
-        if self.cache is not None:
-            self._cache_blocks(req)
-            node = self._lock_node.pop(req.request_id, None)
-            if node is not None:
-                self.cache.unlock(node)
-            self._num_tree_blocks.pop(req.request_id, None)
-        self.block_manager.free(req.block_ids)
-        req.block_ids = []
-
-    def _cache_blocks(self, req: Request) -> None:
-        """Inserts req's computed full blocks into the cache; where the cache already held a block for the
-        same tokens, req switches to it and frees its duplicate. Moves req's lock to the new deepest node."""
-        k = req.num_computed_tokens // self.block_size
-        if k <= self._num_tree_blocks.get(req.request_id, 0):
-            return
-        result = self.cache.insert(req.all_token_ids[: k * self.block_size], req.block_ids[:k], req.cache_namespace)
-        for i, cached in enumerate(result.block_ids):
-            if req.block_ids[i] != cached:
-                self.block_manager.incref([cached])
-                self.block_manager.free([req.block_ids[i]])
-                req.block_ids[i] = cached
-        self.cache.lock(result.node)
-        old = self._lock_node.get(req.request_id)
-        if old is not None:
-            self.cache.unlock(old)
-        self._lock_node[req.request_id] = result.node
-        self._num_tree_blocks[req.request_id] = k
 
     # ------------------------------------------------------------------------------------------------ update
 
@@ -513,7 +370,9 @@ class Scheduler:
         for req in requests:
             if req.status is not RequestStatus.RUNNING:
                 raise ValueError(f"reserve_lookahead: {req.request_id!r} is not running")
-            if not self._allocate(req, req.num_tokens - req.num_computed_tokens + num_tokens, cow_pairs):
+            alloc = self.kv.allocate(req, req.num_tokens - req.num_computed_tokens + num_tokens)
+            cow_pairs.extend(alloc.cow_pairs)
+            if not alloc:
                 return False
         return True
 
@@ -528,28 +387,33 @@ class Scheduler:
 
         Args:
             output: what `schedule` returned for this step.
-            sampled: request_id -> tokens sampled for it (one normally, several with speculative decoding); every
-                row with `sample` set needs at least one. Tokens after one that stops the request are dropped.
+            sampled: request_id -> tokens sampled for it; every row with `sample` set needs at least one. A row
+                with drafts gets its accepted drafts (a prefix of them) and one bonus/correction token. Several
+                tokens for a row without drafts are also taken (a k-step loop, see `computed`). Tokens after one
+                that stops the request are dropped.
             logprobs: optional request_id -> one entry per sampled token, appended to output_logprobs.
             computed: optional request_id -> positions whose KV this step wrote from start_pos on, when more
                 than len(token_ids): a k-step decode loop writes the scheduled token and the first k - 1 sampled
-                ones (into blocks from `reserve_lookahead`). KV past a stop token is discarded.
+                ones (into blocks from `reserve_lookahead`). KV past a stop token is discarded. Not for rows
+                with drafts: there it is the accepted length, 1 + accepted drafts.
 
         Returns:
             Requests finished by a token-level stop condition this step.
         """
+        computed = computed or {}
         live = [
             sr
             for sr in output.scheduled  # Skips requests finished or aborted since schedule().
             if self.requests.get(sr.request_id) is sr.request and sr.request.status is RequestStatus.RUNNING
         ]
         for sr in live:  # Validate everything before changing anything.
-            self._check_row(sr, sampled.get(sr.request_id, ()), (computed or {}).get(sr.request_id))
+            sr.check_tokens(sampled.get(sr.request_id, ()), computed.get(sr.request_id))
         finished = []
         for sr in live:
             req = sr.request
             tokens = sampled.get(req.request_id, ())
-            n_computed = (computed or {}).get(req.request_id, len(sr.token_ids))
+            # Valid KV from start_pos on: a draft row's own token and its accepted drafts (the rest is garbage).
+            n_valid = len(tokens) if sr.num_draft else computed.get(req.request_id, len(sr.token_ids))
             entries = logprobs.get(req.request_id) if logprobs else None
             reason = None
             for j, token in enumerate(tokens):
@@ -558,27 +422,18 @@ class Scheduler:
                 if reason is not None:
                     break
             # Positions past the kept tokens hold KV of tokens dropped after a stop: not part of the request.
-            req.num_computed_tokens = min(sr.start_pos + n_computed, req.num_tokens)
+            req.num_computed_tokens = min(sr.start_pos + n_valid, req.num_tokens)
+            req.spec_token_ids = []
             if tokens:
                 self._needs_progress.discard(req.request_id)
             if reason is not None:
                 finished.append(self.finish(req.request_id, reason))
-            elif self.cache is not None and sr.start_pos < req.num_prompt_tokens:
-                self._cache_blocks(req)  # Share prompt blocks with concurrent requests as soon as computed.
+                continue
+            if sr.num_draft:
+                self.kv.rollback(req, sr.num_draft + 1 - len(tokens))
+            if sr.start_pos < req.num_prompt_tokens:
+                self.kv.cache_computed(req)  # Share prompt blocks with concurrent requests as soon as computed.
         return finished
-
-    @staticmethod
-    def _check_row(sr: ScheduledRequest, tokens: Sequence[int], n_computed: int | None) -> None:
-        rid = sr.request_id
-        if sr.sample and not tokens:
-            raise ValueError(f"request {rid!r} was sampled this step but got no token")
-        if tokens and not sr.sample:
-            raise ValueError(f"request {rid!r} got tokens for a non-final prefill chunk")
-        n = len(sr.token_ids)
-        if n_computed is not None and not n <= n_computed <= n + max(len(tokens) - 1, 0):
-            raise ValueError(
-                f"request {rid!r}: computed={n_computed} for {n} scheduled and {len(tokens)} sampled tokens"
-            )
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling_params
@@ -592,10 +447,6 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------ helpers
 
     def _rejection(self, req: Request) -> str | None:
-        try:
-            req.sampling_params.validate()
-        except ValueError as e:
-            return f"invalid sampling params: {e}"
         prompt_len = req.num_prompt_tokens
         if prompt_len == 0:
             return "empty prompt"
@@ -607,11 +458,10 @@ class Scheduler:
                 f"{self.max_num_batched_tokens} and chunked prefill is disabled"
             )
         max_positions = min(prompt_len + req.sampling_params.max_tokens - 1, self.max_model_len)
-        needed = _cdiv(max(max_positions, req.num_tokens), self.block_size)
-        if needed > self.block_manager.num_usable_blocks:
+        needed = self.kv.blocks_for(max(max_positions, req.num_tokens))
+        if needed > self.kv.num_usable_blocks:
             return (
-                f"needs up to {needed} KV blocks ({max_positions} positions) but the pool has "
-                f"{self.block_manager.num_usable_blocks}"
+                f"needs up to {needed} KV blocks ({max_positions} positions); the pool has {self.kv.num_usable_blocks}"
             )
         return None
 
@@ -632,26 +482,14 @@ class Scheduler:
         return self._waiting.pop(0) if self.policy == "priority" else self._waiting.popleft()
 
     def check_invariants(self) -> None:
-        """Asserts that block references, cache locks and request states all agree."""
-        self.block_manager.check_invariants()
-        expected = collections.Counter()
+        """Asserts that request states, block references, cache locks and provisional positions all agree."""
         for req in self.running:
             assert req.status is RequestStatus.RUNNING, f"{req.request_id} in running as {req.status}"
-            assert _cdiv(req.num_computed_tokens, self.block_size) <= len(req.block_ids), req.request_id
             assert req.num_computed_tokens <= req.num_tokens, req.request_id
-            expected.update(req.block_ids)
         for req in self._waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req.request_id
             assert not req.block_ids and req.num_computed_tokens == 0, f"waiting {req.request_id} holds blocks"
         assert len(self.running) <= self.max_num_seqs
         assert len(self.running) + len(self._waiting) == len(self.requests)
         assert all(self.requests.get(r.request_id) is r for r in itertools.chain(self.running, self._waiting))
-        if self.cache is not None:
-            self.cache.check_invariants()
-            expected.update(self.cache.cached_block_ids())
-            locks = sum(not node.is_root for node in self._lock_node.values())
-            assert locks == self.cache.num_locks(), f"{locks} request locks, the cache counts {self.cache.num_locks()}"
-        for b in range(1, self.block_manager.num_blocks):
-            assert self.block_manager.refcount(b) == expected[b], (
-                f"block {b}: refcount {self.block_manager.refcount(b)}, holders {expected[b]}"
-            )
+        self.kv.check_invariants(self.running)
