@@ -3,6 +3,8 @@
 Data flow: `gguf.GGUFReader` memory-maps the file; each tensor is dequantised to float32 by the `gguf` package
 (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the other ggml types it knows); names are mapped to the canonical
 flat dict of docs/ARCHITECTURE.md, linear weights transposed from ggml's [out, in] rows to our [in, out].
+`lazy_params` does this per tensor on demand (checkpoints/lazy.py), so a model build holds one float32 tensor
+at a time; `load_params` reads them all into a dict.
 
 RoPE: llama.cpp's converter permutes the rows of attn_q / attn_k so that its "normal" (interleaved-pair) RoPE can be
 applied. We undo that permutation here and keep HF's rotate-half RoPE everywhere, so GGUF and safetensors weights
@@ -12,12 +14,14 @@ are laid out identically and one attention implementation serves both.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from checkpoints.lazy import LazyParams, shape_of
 from model.config import ModelConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -169,39 +173,54 @@ def _dequantize(tensor) -> np.ndarray:
     return np.asarray(data, dtype=np.float32)
 
 
-def load_params(
-    reader, config: ModelConfig, progress: Callable[[int, int, str], None] | None = None
-) -> dict[str, np.ndarray]:
-    """Dequantises every tensor into the canonical flat dict (float32, [in, out] linears)."""
-    params: dict[str, np.ndarray] = {}
-    tensors = list(reader.tensors)
-    for i, tensor in enumerate(tensors):
+def _load_tensor(tensor, name: str, config: ModelConfig) -> np.ndarray:
+    """One GGUF tensor as a canonical float32 host array ([in, out] for linears, HF row order for q/k)."""
+    w = _dequantize(tensor)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("wq", "bq"):
+        w = unpermute_rope_rows(w, config.num_heads)
+    elif leaf in ("wk", "bk"):
+        w = unpermute_rope_rows(w, config.num_kv_heads)
+    if w.ndim == 2 and name != "embed":
+        w = np.ascontiguousarray(w.T)  # ggml [out, in] -> [in, out]
+    return w
+
+
+def _canonical_shape(tensor, name: str) -> tuple[int, ...]:
+    """The canonical shape of a tensor from its ggml dims (ne0 = row length first), without reading data."""
+    ne = tuple(int(n) for n in tensor.shape)
+    return ne if len(ne) == 2 and name != "embed" else ne[::-1]
+
+
+def lazy_params(reader, config: ModelConfig, progress: Callable[[int, int, str], None] | None = None) -> LazyParams:
+    """The canonical params as a LazyParams: each tensor is dequantised only when read; shapes checked up front."""
+    loaders, shapes = {}, {}
+    for tensor in reader.tensors:
         name = _canonical_name(tensor.name)
         if name is None:
             continue  # rope_freqs and other derived tensors are recomputed.
-        w = _dequantize(tensor)
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("wq", "bq"):
-            w = unpermute_rope_rows(w, config.num_heads)
-        elif leaf in ("wk", "bk"):
-            w = unpermute_rope_rows(w, config.num_kv_heads)
-        if w.ndim == 2 and name != "embed":
-            w = np.ascontiguousarray(w.T)  # ggml [out, in] -> [in, out]
-        params[name] = w
-        if progress is not None:
-            progress(i + 1, len(tensors), tensor.name)
+        loaders[name] = functools.partial(_load_tensor, tensor, name, config)
+        shapes[name] = _canonical_shape(tensor, name)
+    params = LazyParams(loaders, shapes, progress)
     check_params(params, config)
     return params
 
 
-def check_params(params: dict[str, np.ndarray], config: ModelConfig) -> None:
-    """Raises ValueError naming every missing or mis-shaped canonical tensor."""
+def load_params(
+    reader, config: ModelConfig, progress: Callable[[int, int, str], None] | None = None
+) -> dict[str, np.ndarray]:
+    """Dequantises every tensor into the canonical flat dict (float32, [in, out] linears)."""
+    return dict(lazy_params(reader, config, progress))
+
+
+def check_params(params: Mapping[str, Any], config: ModelConfig) -> None:
+    """Raises ValueError naming every missing or mis-shaped canonical tensor (reads no data of LazyParams)."""
     expected = expected_shapes(config)
     problems = [f"missing {k}" for k in expected if k not in params]
     problems += [
-        f"{k}: shape {params[k].shape}, expected {s}"
+        f"{k}: shape {shape_of(params, k)}, expected {s}"
         for k, s in expected.items()
-        if k in params and tuple(params[k].shape) != s
+        if k in params and shape_of(params, k) != s
     ]
     if problems:
         raise ValueError("checkpoint does not match its config: " + "; ".join(problems[:8]))
@@ -249,13 +268,15 @@ def eos_ids_from_vocab(meta: GGUFMetadata) -> tuple[int, ...]:
 
 
 def load_gguf(
-    path: str, progress: Callable[[int, int, str], None] | None = None
-) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFMetadata]:
+    path: str, progress: Callable[[int, int, str], None] | None = None, *, lazy: bool = False
+) -> tuple[ModelConfig, Mapping[str, np.ndarray], GGUFMetadata]:
     """Loads a GGUF file.
 
     Args:
         path: the .gguf file.
         progress: optional callback (done, total, tensor_name) for long loads.
+        lazy: return a LazyParams (each tensor dequantised when read, the file stays memory-mapped) instead of
+            a dict holding every tensor in float32.
 
     Returns:
         (config, canonical float32 params, metadata for the tokenizer).
@@ -267,4 +288,5 @@ def load_gguf(
     reader = _open(path)
     meta = read_metadata(reader)
     config = config_from_metadata(reader, meta, eos_ids_from_vocab(meta))
-    return config, load_params(reader, config, progress), meta
+    params = lazy_params(reader, config, progress)
+    return config, (params if lazy else dict(params)), meta

@@ -2,24 +2,27 @@
 
 Data flow: config.json -> `config_from_hf` -> ModelConfig; then every tensor named in
 model.safetensors.index.json (or found in the *.safetensors files when there is no index) is read one at a time
-with safetensors' numpy API, renamed to its canonical name (docs/ARCHITECTURE.md) and, for linear layers,
-transposed from HF's `[out, in]` to our `[in, out]`. bfloat16 tensors come back as `ml_dtypes.bfloat16` numpy
-arrays (safetensors' numpy reader maps BF16 through ml_dtypes), so no torch is needed.
+with safetensors' numpy API (by `lazy_hf` only when a model build asks for it), renamed to its canonical name
+(docs/ARCHITECTURE.md) and, for linear layers, transposed from HF's `[out, in]` to our `[in, out]`. bfloat16
+tensors come back as `ml_dtypes.bfloat16` numpy arrays (safetensors' numpy reader maps BF16 through ml_dtypes),
+so no torch is needed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from safetensors import safe_open
 
 from checkpoints.gguf import expected_shapes  # Canonical name -> shape, shared by every loader.
+from checkpoints.lazy import LazyParams
 from model.config import ModelConfig, RopeScaling
 
 _log = logging.getLogger(__name__)
@@ -177,39 +180,29 @@ def _weight_files(path: str) -> dict[str, str]:
     return names
 
 
-def _read_tensors(files: dict[str, str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (HF name, array) opening each file once, in the order of the index."""
+def _stored_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """HF name -> stored shape, from the safetensors headers (no tensor data is read)."""
     by_file: dict[str, list[str]] = {}
     for name, fn in files.items():
         by_file.setdefault(fn, []).append(name)
+    shapes = {}
     for fn, names in by_file.items():
         with safe_open(fn, framework="numpy") as f:
-            for name in names:
-                yield name, f.get_tensor(name)
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in names)
+    return shapes
 
 
-def load_hf(
-    path: str, *, dtype: Any = None, progress: Callable[[int, int, str], None] | None = None
-) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Loads an HF safetensors checkpoint directory into canonical numpy params.
+def _read_one(fn: str, hf_name: str, transpose: bool, dtype: Any) -> np.ndarray:
+    """One tensor, in canonical layout and (when given) `dtype`."""
+    with safe_open(fn, framework="numpy") as f:
+        array = f.get_tensor(hf_name)
+    if transpose:
+        array = np.ascontiguousarray(array.T)
+    return array if dtype is None else array.astype(dtype, copy=False)
 
-    Args:
-        path: directory holding config.json and model.safetensors (or shards + model.safetensors.index.json).
-        dtype: cast every tensor to this numpy dtype as it is read (None keeps the stored dtype).
-        progress: called as progress(done, total, canonical_name) after each tensor, e.g. for a progress line.
 
-    Returns:
-        (config, params) with params in canonical names and `[in, out]` layout.
-
-    Raises:
-        ValueError: missing directory or files, unsupported architecture, unknown, missing or misshapen tensors.
-    """
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"{path} is not an HF checkpoint directory (no config.json)")
-    with open(config_path) as f:
-        config = config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
-    files = _weight_files(path)
+def _wanted(path: str, config: ModelConfig, files: dict[str, str]) -> dict[str, tuple[str, bool]]:
+    """HF name -> (canonical name, transpose?) of every tensor the config needs; unknown or missing ones raise."""
     unknown = sorted(n for n in files if canonical_name(n) is None and not _IGNORED_RE.fullmatch(n))
     if unknown:
         raise ValueError(
@@ -229,19 +222,55 @@ def load_hf(
             f"checkpoint {path} lacks tensor(s) {missing[:8]}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         )
-    params: dict[str, np.ndarray] = {}
-    for hf_name, array in _read_tensors({n: files[n] for n in wanted}):
-        name, transpose = wanted[hf_name]
-        if transpose:
-            array = np.ascontiguousarray(array.T)
-        if array.shape != shapes[name]:
+    return wanted
+
+
+def lazy_hf(
+    path: str, *, dtype: Any = None, progress: Callable[[int, int, str], None] | None = None
+) -> tuple[ModelConfig, LazyParams]:
+    """Like `load_hf`, but each tensor is read from its (memory-mapped) file only when the mapping is indexed.
+
+    Names, shapes and files are all checked here, from the safetensors headers, before any data is read.
+    """
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{path} is not an HF checkpoint directory (no config.json)")
+    with open(config_path) as f:
+        config = config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    files = _weight_files(path)
+    wanted = _wanted(path, config, files)
+    stored = _stored_shapes({n: files[n] for n in wanted})
+    expected = expected_shapes(config)
+    loaders, shapes = {}, {}
+    for hf_name, (name, transpose) in wanted.items():
+        shape = stored[hf_name][::-1] if transpose else stored[hf_name]
+        if shape != expected[name]:
             raise ValueError(
-                f"tensor {hf_name} has shape {array.shape} after layout change; expected {shapes[name]} for {name}"
+                f"tensor {hf_name} has shape {shape} after layout change; expected {expected[name]} for {name}"
             )
-        params[name] = array if dtype is None else array.astype(dtype, copy=False)
-        if progress is not None:
-            progress(len(params), len(wanted), name)
-    return config, params
+        loaders[name] = functools.partial(_read_one, files[hf_name], hf_name, transpose, dtype)
+        shapes[name] = shape
+    return config, LazyParams(loaders, shapes, progress)
+
+
+def load_hf(
+    path: str, *, dtype: Any = None, progress: Callable[[int, int, str], None] | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Loads an HF safetensors checkpoint directory into canonical numpy params.
+
+    Args:
+        path: directory holding config.json and model.safetensors (or shards + model.safetensors.index.json).
+        dtype: cast every tensor to this numpy dtype as it is read (None keeps the stored dtype).
+        progress: called as progress(done, total, canonical_name) after each tensor, e.g. for a progress line.
+
+    Returns:
+        (config, params) with params in canonical names and `[in, out]` layout.
+
+    Raises:
+        ValueError: missing directory or files, unsupported architecture, unknown, missing or misshapen tensors.
+    """
+    config, params = lazy_hf(path, dtype=dtype, progress=progress)
+    return config, dict(params)
 
 
 def load_hf_tokenizer(path: str):

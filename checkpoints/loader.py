@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -24,8 +25,12 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclasses.dataclass
 class Checkpoint:
+    """A loaded checkpoint. `params` is dict-like (canonical name -> host array); for GGUF and HF sources it is a
+    checkpoints.lazy.LazyParams that reads (and, for GGUF, dequantises) a tensor each time it is indexed, so
+    `build_model(ckpt.config, ckpt.params, dtype)` converts and places one tensor at a time."""
+
     config: ModelConfig
-    params: dict[str, np.ndarray]
+    params: Mapping[str, np.ndarray]
     tokenizer: Tokenizer | None
     source: str
 
@@ -63,7 +68,9 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_checkpoint(model: str | None = None, progress=None) -> Checkpoint:
-    """Loads config, float32 canonical params and tokenizer from any supported format.
+    """Loads config, canonical params (float32 for GGUF, stored dtype otherwise) and tokenizer from any format.
+
+    GGUF and HF params are lazy (see `Checkpoint`); names and shapes are checked here, before any tensor is read.
 
     Raises:
       FileNotFoundError: the path does not exist.
@@ -77,12 +84,12 @@ def load_checkpoint(model: str | None = None, progress=None) -> Checkpoint:
             raise ValueError(f"{path}: unsupported model file (expected a .gguf file or a checkpoint directory)")
         from checkpoints.gguf import load_gguf
 
-        config, params, meta = load_gguf(path, progress)
+        config, params, meta = load_gguf(path, progress, lazy=True)
         return Checkpoint(config, params, Tokenizer.from_gguf_metadata(meta, config.eos_token_ids), path)
     if os.path.isfile(os.path.join(path, "config.json")) and glob.glob(os.path.join(path, "*.safetensors")):
-        from checkpoints.hf import load_hf, load_hf_tokenizer
+        from checkpoints.hf import lazy_hf, load_hf_tokenizer
 
-        config, params = load_hf(path)
+        config, params = lazy_hf(path, progress=progress)
         return Checkpoint(config, params, load_hf_tokenizer(path), path)
     from checkpoints import orbax_io
 

@@ -1,7 +1,10 @@
 """Building blocks of a Llama-family decoder (Flax NNX): RMSNorm, RoPE, gated MLP, embeddings, projections.
 
-Weights are stored [in, out] (docs/ARCHITECTURE.md) and every projection goes through `dense()`, the one place
-where quantised weights will plug in. Compute dtype is the activations' dtype; norms and softmax run in float32.
+Weights are stored [in, out] (docs/ARCHITECTURE.md) and every projection goes through `model.quant.matmul`, the
+one door for plain (bf16 / f32) and quantised weights: a projection's `nnx.Param` may hold a `QuantizedArray`
+pytree instead of an array (NNX keeps any pytree as a Variable's value; `nnx.split` flattens its leaves), so
+projections read their weight with `.get_value()`, not `[...]`. Embeddings and norms stay plain arrays.
+Compute dtype is the activations' dtype; norms and softmax run in float32.
 """
 
 from __future__ import annotations
@@ -13,11 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig, RopeScaling
-
-
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] -> [..., out] in x's dtype with float32 accumulation."""
-    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+from model.quant import matmul
 
 
 def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs | None, scale: float | None) -> nnx.Param:
@@ -76,8 +75,8 @@ class GatedMLP(nnx.Module):
         self.w_down = _param((f, d), dtype, rngs, f**-0.5)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(dense(x, self.w_gate[...])) * dense(x, self.w_up[...])
-        return dense(h, self.w_down[...])
+        h = jax.nn.silu(matmul(x, self.w_gate.get_value())) * matmul(x, self.w_up.get_value())
+        return matmul(h, self.w_down.get_value())
 
 
 class Embedding(nnx.Module):

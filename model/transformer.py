@@ -10,7 +10,8 @@ code. Layers are a Python loop (unrolled under jit): on the H200 that is ~3x fas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
-from model.layers import Embedding, GatedMLP, RMSNorm, _param, apply_rope, dense, rope_inv_freq
+from model.layers import Embedding, GatedMLP, RMSNorm, _param, apply_rope, rope_inv_freq
+from model.quant import QuantizedArray, matmul
 
 
 class Attention(nnx.Module):
@@ -40,7 +42,9 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, positions_bt, inv_freq, cache, meta):
         cfg = self.cfg
         b, t, _ = x_btd.shape
-        q, k, v = dense(x_btd, self.wq[...]), dense(x_btd, self.wk[...]), dense(x_btd, self.wv[...])
+        q = matmul(x_btd, self.wq.get_value())
+        k = matmul(x_btd, self.wk.get_value())
+        v = matmul(x_btd, self.wv.get_value())
         if cfg.attention_bias:
             q, k, v = (
                 q + self.bq[...].astype(q.dtype),
@@ -51,7 +55,7 @@ class Attention(nnx.Module):
         k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions_bt, inv_freq)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         out, cache = meta.attend(q, k, v, positions_bt, cache)
-        return dense(out.reshape(b, t, cfg.q_size), self.wo[...]), cache
+        return matmul(out.reshape(b, t, cfg.q_size), self.wo.get_value()), cache
 
 
 class Block(nnx.Module):
@@ -111,9 +115,7 @@ class Transformer(nnx.Module):
         if self.cfg.tie_word_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = jnp.einsum(
-                "...d,dv->...v", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32
-            )
+            logits = matmul(x, self.lm_head.get_value(), out_dtype=jnp.float32)
         return logits, (None if caches is None else new_caches)
 
 
@@ -133,6 +135,7 @@ _LAYER_PATHS = {
     "w_up": ("mlp", "w_up"),
     "w_down": ("mlp", "w_down"),
 }
+_QUANTISABLE = frozenset(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"))
 
 
 def _param_slots(model: Transformer) -> dict[str, nnx.Param]:
@@ -146,27 +149,109 @@ def _param_slots(model: Transformer) -> dict[str, nnx.Param]:
     return slots
 
 
-def model_params(model: Transformer) -> dict[str, jax.Array]:
-    """The model's parameters in canonical names (docs/ARCHITECTURE.md)."""
-    return {name: slot[...] for name, slot in _param_slots(model).items()}
+def model_params(model: Transformer) -> dict[str, Any]:
+    """The model's parameters in canonical names (docs/ARCHITECTURE.md): arrays, or QuantizedArray pytrees."""
+    return {name: slot.get_value() for name, slot in _param_slots(model).items()}
 
 
-def build_model(cfg: ModelConfig, params: dict[str, Any], dtype=jnp.float32) -> Transformer:
-    """A Transformer holding `params` (canonical names) cast to `dtype`; unknown or missing names raise."""
-    model = Transformer(cfg, dtype=dtype, rngs=None)
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> Transformer:
+    """The module with every parameter a jax.ShapeDtypeStruct (nnx.eval_shape): no memory is allocated."""
+    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=None))
+
+
+def _check_shardings(slots: Mapping[str, nnx.Param], shardings: Mapping[str, Any] | None) -> None:
+    unknown = sorted(set(shardings or ()) - set(slots))
+    if unknown:
+        raise ValueError(f"shardings name parameters the model does not have: {unknown[:6]}")
+
+
+def _place(name: str, value: Any, spec: jax.ShapeDtypeStruct, dtype, sharding) -> Any:
+    """`value` checked against the slot, cast to `dtype` (arrays only) and put on `sharding` (or the default)."""
+    if tuple(value.shape) != tuple(spec.shape):
+        raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {tuple(spec.shape)}")
+    if isinstance(value, QuantizedArray):
+        if name.rsplit(".", 1)[-1] not in _QUANTISABLE:
+            raise ValueError(f"{name}: only linear weights {sorted(_QUANTISABLE)} may be QuantizedArray")
+        if sharding is not None:
+            raise ValueError(f"{name}: a sharding for a QuantizedArray parameter is not supported yet")
+        return jax.device_put(value)
+    if isinstance(value, jax.Array):
+        return jax.device_put(value.astype(dtype), sharding)
+    # Cast on the host, so only the converted bytes travel; the caller's buffer is dropped after this call.
+    return jax.device_put(np.asarray(value).astype(dtype, copy=False), sharding)
+
+
+def build_model(
+    cfg: ModelConfig,
+    params: Mapping[str, Any],
+    dtype=jnp.float32,
+    shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+) -> Transformer:
+    """A Transformer holding `params` (canonical names), each written once, already cast and placed.
+
+    The module is created abstractly (`abstract_model`), then each slot receives `params[name]` read once: a
+    lazy mapping (checkpoints/lazy.py) is read, converted and placed one tensor at a time, so no zero-filled model
+    and no second full copy ever exists.
+
+    Args:
+      cfg: the model configuration.
+      params: canonical name -> numpy / jax array (cast to `dtype`) or QuantizedArray (a linear weight; kept).
+      dtype: compute and parameter dtype.
+      shardings: optional canonical name -> jax.sharding.Sharding (e.g. sharding/rules.py's NamedShardings);
+        each array goes straight to its sharding with jax.device_put. Names left out get the default device.
+
+    Raises:
+      ValueError: unknown or missing names, wrong shapes, a quantised non-linear weight, unknown sharding names.
+    """
+    model = abstract_model(cfg, dtype)
     slots = _param_slots(model)
     missing = sorted(set(slots) - set(params))
     extra = sorted(set(params) - set(slots))
     if missing or extra:
         raise ValueError(f"parameters do not match the config: missing {missing[:6]}, unexpected {extra[:6]}")
+    _check_shardings(slots, shardings)
     for name, slot in slots.items():
-        value = params[name]
-        if tuple(value.shape) != tuple(slot[...].shape):
-            raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {tuple(slot[...].shape)}")
-        slot[...] = value.astype(dtype) if isinstance(value, jax.Array) else jnp.asarray(np.asarray(value), dtype)
+        sharding = None if shardings is None else shardings.get(name)
+        slot.set_value(_place(name, params[name], slot.get_value(), dtype, sharding))
     return model
 
 
-def random_model(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0) -> Transformer:
-    """A randomly initialised model (tests and performance work at real shapes)."""
-    return Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed))
+def _init_value(name: str, key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """The random initialiser of `Transformer(..., rngs=...)`, per canonical name: norms 1, biases 0,
+    embedding N(0, 1), linear weights [in, out] N(0, 1/in)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("attn_norm", "mlp_norm", "final_norm"):
+        return jnp.ones(shape, dtype)
+    if leaf in ("bq", "bk", "bv"):
+        return jnp.zeros(shape, dtype)
+    scale = 1.0 if name == "embed" else shape[0] ** -0.5
+    return scale * jax.random.normal(key, shape, dtype)
+
+
+def random_model(
+    cfg: ModelConfig,
+    dtype=jnp.float32,
+    seed: int = 0,
+    shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+) -> Transformer:
+    """A randomly initialised model (tests and performance work at real shapes).
+
+    Each parameter is drawn on its device by one jitted call (output sharding `shardings[name]` when given), so
+    the host holds no weights; slots of equal shape share one compilation.
+    """
+    model = abstract_model(cfg, dtype)
+    slots = _param_slots(model)
+    _check_shardings(slots, shardings)
+    root = jax.random.key(seed)
+    for i, (name, slot) in enumerate(slots.items()):
+        spec = slot.get_value()
+        sharding = None if shardings is None else shardings.get(name)
+        init = _jitted_init(name, tuple(spec.shape), jnp.dtype(dtype), sharding)
+        slot.set_value(init(jax.random.fold_in(root, i)))
+    return model
+
+
+@functools.cache
+def _jitted_init(name: str, shape: tuple[int, ...], dtype, sharding):
+    leaf = name if name == "embed" else name.rsplit(".", 1)[-1]  # Layers share compilations.
+    return jax.jit(functools.partial(_init_value, leaf, shape=shape, dtype=dtype), out_shardings=sharding)
