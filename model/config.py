@@ -42,6 +42,11 @@ class ModelConfig:
         attention_bias: q/k/v projections carry a bias (Qwen2).
         bos_token_id: beginning-of-sequence token, or None.
         eos_token_ids: tokens that end generation.
+        num_experts: routed experts E of every MoE MLP; 0 for a dense model (then the MoE fields below are 0).
+        num_experts_per_tok: experts k each token is routed to (top-k of the router's softmax).
+        moe_intermediate_size: gated-MLP width of one routed expert.
+        shared_expert_intermediate_size: width of the always-on shared expert (Qwen-MoE), 0 for none.
+        norm_topk_prob: renormalise the top-k routing weights to sum to 1 (Mixtral: yes; Qwen1.5-MoE: no).
     """
 
     name: str = "custom"
@@ -60,6 +65,11 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         for field in (
@@ -76,6 +86,27 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(self, field)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self._validate_moe()
+
+    def _validate_moe(self):
+        moe = ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+        for field in ("num_experts", *moe):
+            if getattr(self, field) < 0:
+                raise ValueError(f"ModelConfig.{field} must be >= 0, got {getattr(self, field)}")
+        if self.num_experts == 0:
+            set_fields = [f for f in moe if getattr(self, f)]
+            if set_fields:
+                raise ValueError(f"ModelConfig.{set_fields[0]} is set but num_experts is 0 (a dense model)")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(
+                f"ModelConfig.moe_intermediate_size must be positive for an MoE model, got {self.moe_intermediate_size}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -85,10 +116,25 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        d, f = self.hidden_size, self.intermediate_size
-        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def _mlp_params(self, experts: int) -> int:
+        """MLP parameters of one layer with `experts` routed experts counted (all of them, or the k active)."""
+        d = self.hidden_size
+        if not self.is_moe:
+            return 3 * d * self.intermediate_size
+        shared = self.shared_expert_intermediate_size
+        shared_params = 3 * d * shared + d if shared else 0  # + the shared expert's sigmoid gate [D, 1]
+        return d * self.num_experts + experts * 3 * d * self.moe_intermediate_size + shared_params
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embedding counted once when tied); `active`: only the k routed experts a token uses."""
+        d = self.hidden_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        per_layer = attn + self._mlp_params(experts) + 2 * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
@@ -173,12 +219,76 @@ class ModelConfig:
         return base.replace(**changes)
 
     @classmethod
+    def mixtral_8x7b(cls) -> ModelConfig:
+        """Mixtral-8x7B-v0.1: 8 experts of width 14336, top-2, renormalised routing weights."""
+        return cls(
+            name="mixtral_8x7b",
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=1e6,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=32768,
+            bos_token_id=1,
+            eos_token_ids=(2,),
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=14336,
+            norm_topk_prob=True,
+        )
+
+    @classmethod
+    def qwen_moe(cls) -> ModelConfig:
+        """Qwen1.5-MoE-A2.7B: 60 experts of width 1408, top-4 (not renormalised), a 5632-wide shared expert."""
+        return cls(
+            name="qwen_moe",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_layers=24,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=128,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=8192,
+            attention_bias=True,
+            bos_token_id=151643,
+            eos_token_ids=(151643,),
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            norm_topk_prob=False,
+        )
+
+    @classmethod
+    def tiny_moe(cls, **changes) -> ModelConfig:
+        """`tiny` with a Qwen-MoE-style MLP: 6 experts of width 48, top-2, a 40-wide shared expert (odd sizes)."""
+        moe = dict(
+            name="tiny_moe",
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=False,
+        )
+        return cls.tiny(**{**moe, **changes})
+
+    @classmethod
     def preset(cls, name: str) -> ModelConfig:
         presets = {
             "smollm2_135m": cls.smollm2_135m,
             "llama3_8b": cls.llama3_8b,
             "llama3_70b": cls.llama3_70b,
+            "mixtral_8x7b": cls.mixtral_8x7b,
+            "qwen_moe": cls.qwen_moe,
             "tiny": cls.tiny,
+            "tiny_moe": cls.tiny_moe,
         }
         if name not in presets:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(presets)}")

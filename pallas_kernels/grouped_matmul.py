@@ -102,6 +102,13 @@ class GroupedMatmulConfig:
         return cls() if n % (COMPUTE_WGS * 128) == 0 else cls(tile_n=64)
 
 
+def supports(dtype, k: int, n: int) -> bool:
+    """Whether the Mosaic GPU kernel takes lhs [M, k] @ rhs [G, k, n] of `dtype` with its default tiles."""
+    cfg = GroupedMatmulConfig.for_shape(n)
+    is_16bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return is_16bit and k % cfg.tile_k == 0 and n % (COMPUTE_WGS * cfg.tile_n) == 0
+
+
 # Layer 1: the kernel -----------------------------------------------------------------------------------------------
 
 
