@@ -51,7 +51,10 @@ import time
 import numpy as np
 from absl import app, flags
 
+from serving import flags as engine_flags  # the engine flags (--model, --dtype, --block_size, ...), shared
+
 FLAGS = flags.FLAGS
+_MAX_NUM_BATCHED_TOKENS = 512  # this binary's default (the engine's is 256)
 flags.DEFINE_enum(
     "mode",
     "static_vs_continuous",
@@ -59,16 +62,10 @@ flags.DEFINE_enum(
     "which benchmark to run",
 )
 flags.DEFINE_string("out_dir", "bench_out", "directory for the JSON results and PNG plots")
-flags.DEFINE_string("model", None, "GGUF file, HF safetensors dir or Orbax dir (default: SmolLM2-135M-Instruct)")
 flags.DEFINE_string("model_preset", None, "ModelConfig preset (with --random_weights), e.g. llama3_8b")
 flags.DEFINE_bool("random_weights", False, "random weights at the preset's shapes (no checkpoint, no tokenizer)")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and compute dtype")
-flags.DEFINE_string("attention_backend", None, "kernel backend (default: fastest on the device; CPU: xla)")
 flags.DEFINE_integer("seed", 0, "workload seed")
 flags.DEFINE_integer("batch_size", 16, "static batch size = the continuous engine's max_num_seqs", lower_bound=1)
-flags.DEFINE_integer("max_num_batched_tokens", 512, "token budget per step", lower_bound=16)
-flags.DEFINE_integer("block_size", 16, "tokens per KV block", lower_bound=1)
-flags.DEFINE_integer("decode_steps", 8, "decode iterations per on-device loop", lower_bound=1)
 # static_vs_continuous
 flags.DEFINE_integer("num_requests", 64, "requests in the workload", lower_bound=1)
 flags.DEFINE_integer("prompt_len_min", 32, "shortest prompt", lower_bound=1)
@@ -113,13 +110,6 @@ flags.DEFINE_float("slo_tpot_ms", None, "serving: goodput SLO on time per output
 flags.DEFINE_float(
     "duration_s", 600.0, "serving: cap on the run; requests still in flight then are cut", lower_bound=1.0
 )
-flags.DEFINE_integer(
-    "max_model_len",
-    None,
-    "serving, self-started server: context limit (default: the longest "
-    "synthetic prompt + output, or the model's for jsonl)",
-    lower_bound=2,
-)
 flags.DEFINE_float("startup_timeout_s", 1800.0, "serving: how long a self-started server may take to be healthy")
 
 
@@ -154,6 +144,9 @@ def load_model():
     t0 = time.perf_counter()
     if FLAGS.random_weights:
         from checkpoints.tokenizer import NullTokenizer
+        from serving.engine.llm import enable_compilation_cache
+
+        enable_compilation_cache(FLAGS.compilation_cache_dir)
         from model.config import ModelConfig
         from model.transformer import random_model
 
@@ -161,7 +154,7 @@ def load_model():
         return model, NullTokenizer(), time.perf_counter() - t0
     if FLAGS.model_preset:
         raise app.UsageError("--model_preset needs --random_weights (a checkpoint brings its own config)")
-    llm = LLM(FLAGS.model, dtype=FLAGS.dtype)
+    llm = LLM.from_config(engine_flags.engine_config_from_flags())
     return llm.model, llm.tokenizer, time.perf_counter() - t0
 
 
@@ -175,18 +168,14 @@ def make_engine(model, tokenizer, max_model_len: int, num_seqs: int):
     bs = FLAGS.block_size
     max_model_len = -(-max_model_len // bs) * bs
     backend = FLAGS.attention_backend or ("xla" if jax.default_backend() == "cpu" else None)
-    engine = LLMEngine(
-        model,
-        tokenizer,
+    config = engine_flags.engine_config_from_flags(
         max_model_len=max_model_len,
         max_num_seqs=num_seqs,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        block_size=bs,
         num_kv_blocks=num_seqs * (max_model_len // bs) + 1,
         attention_backend=backend,
-        decode_steps=FLAGS.decode_steps,
-        warmup=False,
-    )  # warmed up below, inside the timing
+        warmup=False,  # warmed up below, inside the timing
+    )
+    engine = LLMEngine(model, tokenizer, config)
     t0 = time.perf_counter()
     engine.warmup()
     warm_sampler(engine)
@@ -501,20 +490,8 @@ def serving_workload():
 
 def server_flags(requests, extra: list[str]) -> list[str]:
     """Flags of a self-started server: this binary's engine flags, then the ones after `--` (which win)."""
-    args = [
-        "--dtype",
-        FLAGS.dtype,
-        "--max_num_seqs",
-        str(FLAGS.batch_size),
-        "--block_size",
-        str(FLAGS.block_size),
-        "--max_num_batched_tokens",
-        str(FLAGS.max_num_batched_tokens),
-        "--decode_steps",
-        str(FLAGS.decode_steps),
-    ]
-    args += ["--model", FLAGS.model] if FLAGS.model else []
-    args += ["--attention_backend", FLAGS.attention_backend] if FLAGS.attention_backend else []
+    args = [f"--max_num_seqs={FLAGS.batch_size}", f"--max_num_batched_tokens={FLAGS.max_num_batched_tokens}"]
+    args += engine_flags.changed_engine_flags()
     max_len = FLAGS.max_model_len
     if max_len is None and all(isinstance(r.prompt, list) for r in requests):
         max_len = max(len(r.prompt) + r.max_tokens for r in requests)
@@ -622,6 +599,8 @@ def git_commit() -> str | None:
 
 
 def main(argv) -> None:
+    if not FLAGS["max_num_batched_tokens"].present:
+        FLAGS.max_num_batched_tokens = _MAX_NUM_BATCHED_TOKENS
     if FLAGS.mode != "serving" and len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.prompt_len_min > FLAGS.prompt_len_max:
@@ -653,7 +632,7 @@ def main(argv) -> None:
         device=device,
         model=name,
         dtype=FLAGS.dtype,
-        flags={f.name: f.value for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])},
+        flags={f.name: f.value for m in (sys.modules[__name__], engine_flags) for f in FLAGS.get_flags_for_module(m)},
         results=results,
     )
     os.makedirs(FLAGS.out_dir, exist_ok=True)

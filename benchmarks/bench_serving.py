@@ -286,7 +286,7 @@ def run(cfg: ServingBenchConfig, requests: list[BenchRequest]) -> dict:
     summary = summarize(cfg, results, wall, min(cfg.num_requests, len(requests)))
     summary["served_model"] = model
     summary["server"] = {
-        k: after.get(f"pallas_serve_{k}", 0.0) - before.get(f"pallas_serve_{k}", 0.0)
+        k: after.get(f"pallas_serve_{k}_total", 0.0) - before.get(f"pallas_serve_{k}_total", 0.0)
         for k in ("engine_steps", "preemptions")
     }
     summary["server"]["prefix_cache_hit_rate"] = after.get("pallas_serve_prefix_cache_hit_rate")

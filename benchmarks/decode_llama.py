@@ -21,6 +21,8 @@ import numpy as np
 from model.config import ModelConfig
 from model.sampling import SamplingTensors
 from model.transformer import random_model
+from serving.config import DEFAULT_COMPILATION_CACHE_DIR, CacheConfig, RuntimeConfig
+from serving.engine.llm import enable_compilation_cache
 from serving.engine.runner import ModelRunner, RowInput
 
 
@@ -123,7 +125,11 @@ def main():
         help="profiling aid: skip the attention kernels (KV still written) to isolate their cost",
     )
     p.add_argument("--out", default="decode_llama.json")
+    p.add_argument("--compilation_cache_dir", default=DEFAULT_COMPILATION_CACHE_DIR, help="'' disables it")
     a = p.parse_args()
+    CacheConfig(block_size=a.block_size)  # the engine's checks of these options (ValueError names the option)
+    RuntimeConfig(attention_backend=a.backend, compilation_cache_dir=a.compilation_cache_dir)
+    enable_compilation_cache(a.compilation_cache_dir)
     if a.no_attention:
         from model import kv
 

@@ -22,8 +22,10 @@ import numpy as np
 from checkpoints.tokenizer import NullTokenizer
 from model.config import ModelConfig
 from model.transformer import random_model
+from serving.config import DEFAULT_COMPILATION_CACHE_DIR, EngineConfig
 from serving.core.request import SamplingParams
 from serving.engine.engine import LLMEngine
+from serving.engine.llm import enable_compilation_cache
 
 
 def main():
@@ -39,7 +41,9 @@ def main():
     p.add_argument("--memory_fraction", type=float, default=0.85)
     p.add_argument("--time_limit", type=float, default=400.0)
     p.add_argument("--out", default="throughput.json")
+    p.add_argument("--compilation_cache_dir", default=DEFAULT_COMPILATION_CACHE_DIR, help="'' disables it")
     a = p.parse_args()
+    enable_compilation_cache(a.compilation_cache_dir)
 
     cfg = ModelConfig.preset(a.preset)
     t0 = time.perf_counter()
@@ -47,9 +51,7 @@ def main():
     jax.block_until_ready(model.embed.weight[...])
     init_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    engine = LLMEngine(
-        model,
-        NullTokenizer(),
+    config = EngineConfig.from_kwargs(
         max_model_len=a.input_len + a.output_len + a.block_size,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -58,7 +60,9 @@ def main():
         decode_steps=a.decode_steps,
         enable_prefix_caching=False,
         warmup=False,
+        compilation_cache_dir=a.compilation_cache_dir,
     )
+    engine = LLMEngine(model, NullTokenizer(), config)
     engine_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.warmup()  # every step bucket, the decode loop and the sampler, timed apart from the run

@@ -3,6 +3,10 @@
     python -m serving.generate                                  # built-in prompts, default model
     python -m serving.generate --prompt "Hello" --chat --max_tokens 64
     python -m serving.generate --prompts_file prompts.jsonl     # {"prompt": "..."} or {"messages": [...]}
+    python -m serving.generate --model m.gguf --max_num_seqs 32 --nowarmup_run
+
+The engine flags (--model, --dtype, --max_num_seqs, --block_size, ... : serving/flags.py) are shared with
+serving/server.py and benchmarks/bench.py; the flags below say what to generate.
 
 Prints each completion with its time to first token and decode speed. Over a --prompts_file, a progress bar
 on stderr counts finished prompts, tokens and tokens/s (tqdm when it is installed, else one line rewritten in
@@ -11,32 +15,58 @@ place). Bad flags and unreadable files end with one clear line on stderr and exi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 
 from absl import app, flags
 
+from serving import flags as engine_flags
 from serving.progress import Progress
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "GGUF file, HF safetensors dir or Orbax dir (default: SmolLM2-135M-Instruct)")
 flags.DEFINE_multi_string("prompt", [], "prompt text (repeatable)")
 flags.DEFINE_string("prompts_file", None, 'JSONL file: one {"prompt": str} or {"messages": [...]} per line')
 flags.DEFINE_integer("max_tokens", 64, "tokens to generate per prompt", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)", lower_bound=0.0)
 flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_integer("top_k", 0, "top-k sampling (0 = off)", lower_bound=0)
-flags.DEFINE_integer("seed", None, "sampling seed")
+flags.DEFINE_integer("seed", None, "sampling seed (prompt i uses seed + i)")
 flags.DEFINE_bool("chat", False, "wrap prompts in the model's chat template")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
-flags.DEFINE_bool("reference", False, "use the contiguous-cache reference path instead of the paged engine")
 flags.DEFINE_bool(
-    "warmup",
+    "warmup_run",
     True,
     "run the batch once untimed first, so the reported latency and speed exclude "
     "compilation (the compile time is printed separately)",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateSettings:
+    """What this binary does besides building the engine (the engine flags make an EngineConfig)."""
+
+    prompt: tuple[str, ...] = ()
+    prompts_file: str | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    chat: bool = False
+    warmup_run: bool = True
+
+    def sampling(self) -> dict:
+        """LLM.generate's sampling arguments (validated there)."""
+        return dict(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed
+        )
+
+
+def settings_from_flags() -> GenerateSettings:
+    values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(GenerateSettings)}
+    return GenerateSettings(**values | {"prompt": tuple(values["prompt"])})
+
 
 BUILTIN_PROMPTS = [
     "The three primary colours are",
@@ -78,36 +108,30 @@ def read_prompts_file(path: str) -> list[str | list[dict]]:
 def run(argv) -> int:
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    prompts: list = list(FLAGS.prompt)
-    if FLAGS.prompts_file:
-        prompts += read_prompts_file(FLAGS.prompts_file)
+    settings = settings_from_flags()
+    config = engine_flags.engine_config_from_flags()
+    prompts: list = list(settings.prompt)
+    if settings.prompts_file:
+        prompts += read_prompts_file(settings.prompts_file)
     prompts = prompts or list(BUILTIN_PROMPTS)
 
     from serving.engine.llm import LLM
 
-    llm = LLM(FLAGS.model, dtype=FLAGS.dtype)
-    print(f"loaded {llm.config.name} in {llm.load_seconds:.1f}s", file=sys.stderr)
+    llm = LLM.from_config(config)
+    print(f"loaded {llm.name} in {llm.load_seconds:.1f}s", file=sys.stderr)
     texts = [llm.tokenizer.apply_chat_template(p) if isinstance(p, list) else p for p in prompts]
 
     def generate(label: str):
-        progress = Progress(label) if FLAGS.prompts_file else None
+        progress = Progress(label) if settings.prompts_file else None
         try:
             return llm.generate(
-                texts,
-                max_tokens=FLAGS.max_tokens,
-                temperature=FLAGS.temperature,
-                top_p=FLAGS.top_p,
-                top_k=FLAGS.top_k,
-                seed=FLAGS.seed,
-                chat=FLAGS.chat and not FLAGS.prompts_file,
-                use_reference=FLAGS.reference,
-                progress=progress,
+                texts, chat=settings.chat and not settings.prompts_file, progress=progress, **settings.sampling()
             )
         finally:
             if progress is not None:
                 progress.close()
 
-    if FLAGS.warmup:
+    if settings.warmup_run:
         t0 = time.perf_counter()
         generate("warm-up")
         print(f"warm-up run (compiles this batch's shapes): {time.perf_counter() - t0:.1f}s", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Device meshes: a frozen ParallelConfig names the degree of each kind of parallelism; `make_mesh` lays the
-devices out as a 4-axis `jax.sharding.Mesh` (data, pipeline, expert, tensor).
+"""Device meshes: a frozen ParallelConfig (sharding/config.py) names the degree of each kind of parallelism;
+`make_mesh` lays the devices out as a 4-axis `jax.sharding.Mesh` (data, pipeline, expert, tensor).
 
 Every mesh has all four axes, size 1 where unused, so the rules table in sharding/rules.py can always name them.
 "tensor" is last because jax.make_mesh gives the trailing axis the devices closest together (NVLink / ICI
@@ -8,46 +8,16 @@ neighbours), and tensor parallelism all-reduces every layer.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
 
+from sharding.config import ParallelConfig as ParallelConfig  # re-exported: the dataclass lives JAX-free
+
 DATA, PIPELINE, EXPERT, TENSOR = "data", "pipeline", "expert", "tensor"
 MESH_AXES = (DATA, PIPELINE, EXPERT, TENSOR)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """Degrees of parallelism; their product is the number of devices in the mesh.
-
-    Attributes:
-        dp: data parallel (independent batch shards / engine replicas).
-        tp: tensor parallel (attention heads, MLP width and vocab split across devices).
-        pp: pipeline parallel (layers split into stages).
-        ep: expert parallel (MoE experts split across devices).
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-
-    def __post_init__(self):
-        for field in ("dp", "tp", "pp", "ep"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"ParallelConfig.{field} must be >= 1, got {getattr(self, field)}")
-
-    @property
-    def num_devices(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
-
-    @property
-    def axis_sizes(self) -> tuple[int, int, int, int]:
-        """Sizes in MESH_AXES order."""
-        return (self.dp, self.pp, self.ep, self.tp)
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

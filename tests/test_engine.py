@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from serving.config import EngineConfig
 from serving.core.request import SamplingParams
 from serving.core.scheduler import Scheduler
 from serving.engine.engine import LLMEngine
@@ -171,7 +172,8 @@ def test_greedy_mixed_batch_matches_reference(engine, reference):
 def test_decode_loop_runs_while_requests_wait_for_a_slot(engine, reference):
     """With every slot taken, waiting requests cannot be admitted anyway: decoding stays on device and exact."""
     sched = use_scheduler(engine, enable_prefix_caching=False, max_num_seqs=4)
-    engine.config.max_num_seqs = 4
+    saved = engine.config
+    engine.config = saved.replace(max_num_seqs=4)
     try:
         loops_while_waiting = []
         original = engine._run_decode_loop
@@ -184,7 +186,7 @@ def test_decode_loop_runs_while_requests_wait_for_a_slot(engine, reference):
         prompts, max_tokens = MIXED_PROMPTS[:6], MIXED_MAX_TOKENS[:6]
         tracks = run(engine, [(p, greedy(m)) for p, m in zip(prompts, max_tokens)])
     finally:
-        engine.config.max_num_seqs = ENGINE_OPTIONS["max_num_seqs"]
+        engine.config = saved
         del engine._run_decode_loop
     assert_matches_reference(tracks, prompts, max_tokens, reference)
     assert any(n > 0 for n in loops_while_waiting), loops_while_waiting
@@ -441,9 +443,7 @@ def test_min_tokens_with_too_many_stop_ids_is_rejected(engine):
 
 def test_interpret_kernels_match_reference(llm, reference):
     """The engine through our Pallas kernels (interpret mode) on a short run."""
-    eng = LLMEngine(
-        llm.model,
-        llm.tokenizer,
+    config = EngineConfig.from_kwargs(
         max_model_len=64,
         attention_backend="interpret",
         max_num_seqs=2,
@@ -452,6 +452,7 @@ def test_interpret_kernels_match_reference(llm, reference):
         decode_steps=1,
         enable_prefix_caching=False,
     )
+    eng = LLMEngine(llm.model, llm.tokenizer, config)
     prompts = [MIXED_PROMPTS[2], MIXED_PROMPTS[1]]  # 7 and 3 tokens: one mixed step, then paged decode
     tracks = run(eng, [(p, greedy(4)) for p in prompts])
     for t, p in zip(tracks, prompts):

@@ -227,14 +227,14 @@ def llm():
 
 def test_llm_errors(llm):
     with pytest.raises(ValueError, match="empty"):
-        llm.generate([[]], use_reference=True)
+        llm.generate([[]])
     with pytest.raises(ValueError, match="out of range"):
         llm.score([1, 2, 10**6])
     long_prompt = [5] * (llm.max_model_len + 1)
     with pytest.raises(ValueError, match="context length"):
         llm.score(long_prompt)
-    with pytest.raises(ValueError, match="exceed the context"):
-        llm.generate([long_prompt], use_reference=True)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([long_prompt])
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[5, 6, 7], long_prompt], max_tokens=4)
     assert not llm.engine.has_unfinished()  # the accepted first prompt was withdrawn, not left queued
@@ -242,7 +242,7 @@ def test_llm_errors(llm):
 
 
 def test_seeded_sampling_is_reproducible(llm):
-    kw = dict(max_tokens=12, temperature=0.9, top_p=0.9, top_k=40, use_reference=True)
+    kw = dict(max_tokens=12, temperature=0.9, top_p=0.9, top_k=40)
     a = llm.generate(["Once upon a time"], seed=7, **kw)[0].token_ids
     b = llm.generate(["Once upon a time"], seed=7, **kw)[0].token_ids
     c = llm.generate(["Once upon a time"], seed=8, **kw)[0].token_ids

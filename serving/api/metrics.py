@@ -1,8 +1,9 @@
 """Prometheus metrics of the HTTP server.
 
 Counters and histograms are updated by the request handlers on the event loop; engine gauges (queue, running
-sequences, KV blocks, prefix-cache hit rate) are read at scrape time from the snapshot the engine thread
-publishes after every step, so a scrape never touches the engine. Each server owns its own registry, so
+sequences, KV blocks, prefix-cache hit rate) and counters (preemptions, engine steps, failed steps) are read at
+scrape time from the snapshot the engine thread publishes after every step, so a scrape never touches the
+engine. Each server owns its own registry, so
 several servers (tests) can live in one process.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from serving.api.async_engine import EngineStats, RequestStream
 
@@ -24,7 +25,7 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 
 
 class _EngineCollector:
-    """Gauges computed from the latest EngineStats at scrape time."""
+    """Gauges and engine counters computed from the latest EngineStats at scrape time."""
 
     def __init__(self, stats: Callable[[], EngineStats | None]):
         self._stats = stats
@@ -47,12 +48,16 @@ class _EngineCollector:
                 "Prompt tokens served from the prefix cache / prompt tokens looked up.",
                 s.prefix_hit_rate,
             ),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        counters = (  # exposed with the _total suffix
             ("preemptions", "Preemptions since start.", s.num_preemptions),
             ("engine_steps", "Engine steps since start.", s.num_steps),
             ("engine_step_failures", "Engine steps that raised since start.", s.num_step_failures),
         )
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
 
 class ServerMetrics:

@@ -22,31 +22,10 @@ import jax
 import numpy as np
 
 from model.sampling import SamplingTensors
+from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.runner import ModelRunner, RowInput, pad_sampling, sample_rows, size_kv_pool
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    """Engine options (also accepted by `LLM(...)` as keyword arguments)."""
-
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_memory_fraction: float = 0.85
-    attention_backend: str | None = None
-    decode_steps: int = 8
-    policy: str = "fcfs"
-    warmup: bool | None = None  # None: on accelerators only (compiling every bucket takes minutes on a CPU)
-
-    def __post_init__(self):
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.decode_steps < 1:
-            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
 
 
 @dataclasses.dataclass
@@ -68,17 +47,17 @@ class LLMEngine:
     Args:
       model: the Flax NNX decoder.
       tokenizer: checkpoints.tokenizer.Tokenizer (detokenisation, stop strings).
-      max_model_len: longest prompt + output.
-      **options: EngineConfig fields.
+      config: the validated EngineConfig (serving/config.py); its max_model_len defaults to the model's.
     """
 
-    def __init__(self, model, tokenizer, *, max_model_len: int, **options):
-        self.config = EngineConfig(**options)
-        c = self.config
+    def __init__(self, model, tokenizer, config: EngineConfig):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a serving.config.EngineConfig, got {type(config).__name__}")
+        self.config = c = config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(model.cfg.eos_token_ids)
         self.vocab_size = model.cfg.vocab_size
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len = c.max_model_len or model.cfg.max_position_embeddings
         default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
         num_blocks = c.num_kv_blocks or size_kv_pool(
             model, c.block_size, model.dtype, c.kv_cache_memory_fraction, default_blocks
@@ -133,8 +112,11 @@ class LLMEngine:
         prompt: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queues a request; raises ValueError (with the reason) if it can never be served."""
-        params.validate()
+        """Queues a request; raises ValueError (with the reason) if it can never be served.
+
+        `params` must be valid: they are checked once, where they enter (LLM.generate, the server's request
+        conversion), not here.
+        """
         banned = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.eos_token_ids))
         if params.min_tokens and banned > _MAX_BANNED:
             raise ValueError(

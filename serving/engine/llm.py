@@ -7,11 +7,14 @@ logits = llm.score([1, 2, 3])                  # float32 [len, vocab]
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -19,17 +22,18 @@ from flax import nnx
 from checkpoints.loader import Checkpoint, load_checkpoint
 from model.kv import NoCache
 from model.transformer import Transformer, build_model
-from serving.core.request import CompletionOutput
+from serving.config import EngineConfig
+from serving.core.request import CompletionOutput, SamplingParams
 from serving.engine.engine import LLMEngine
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def parse_dtype(dtype: Any):
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
+        if dtype not in _JNP_DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_JNP_DTYPES)}")
+        return _JNP_DTYPES[dtype]
     return dtype
 
 
@@ -39,32 +43,62 @@ def _score(model: Transformer, tokens_bt):
     return model(tokens_bt, jnp.arange(t)[None], None, NoCache(jnp.array([t])))[0]
 
 
+def enable_compilation_cache(directory: str) -> None:
+    """Turns on JAX's persistent compilation cache in `directory` ('~' expanded; '' leaves it off), so a restarted
+    process loads its step executables instead of compiling them again. Takes effect before the first compile."""
+    if not directory:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 class LLM:
     """Loads a model and generates with it.
 
     Args:
       model: None for the default model, or a .gguf file, an HF safetensors directory or an Orbax directory.
-      dtype: "float32" or "bfloat16" compute and weights.
-      max_model_len: context limit (defaults to the model's).
-      **engine_options: options of the paged engine (max_num_seqs, max_num_batched_tokens, block_size,
-        num_kv_blocks, enable_prefix_caching, kv_cache_memory_fraction, ...).
+      **options: flat EngineConfig options (serving/config.py FLAT_OPTIONS): dtype ("float32" or "bfloat16"),
+        max_model_len (defaults to the model's), max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks,
+        enable_prefix_caching, kv_cache_memory_fraction, attention_backend, decode_steps, policy, warmup,
+        compilation_cache_dir, ... An unknown, bad or not yet supported option raises ValueError naming it.
     """
 
-    def __init__(
-        self, model: str | None = None, *, dtype: Any = "float32", max_model_len: int | None = None, **engine_options
-    ):
+    def __init__(self, model: str | None = None, **options):
+        self._load(EngineConfig.from_kwargs(model=model, **options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM built from a ready EngineConfig (the binaries build theirs from flags)."""
+        llm = cls.__new__(cls)
+        llm._load(config)
+        return llm
+
+    @classmethod
+    def from_model(cls, model: Transformer, tokenizer, config: EngineConfig | None = None) -> LLM:
+        """An LLM over a model already in memory (random weights in tests and benchmarks); `config.model` and
+        `config.dtype` are not used (the model has its own)."""
+        config = config or EngineConfig()
+        enable_compilation_cache(config.compilation_cache_dir)
+        llm = cls.__new__(cls)
+        llm._init(model, tokenizer, config, model.cfg.name, time.perf_counter())
+        return llm
+
+    def _load(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
-        ckpt: Checkpoint = load_checkpoint(model)
+        enable_compilation_cache(config.compilation_cache_dir)
+        ckpt: Checkpoint = load_checkpoint(config.model.model)
         if ckpt.tokenizer is None:
             raise ValueError(f"{ckpt.source}: checkpoint has no tokenizer")
-        self.config = ckpt.config
-        self.tokenizer = ckpt.tokenizer
-        self.dtype = parse_dtype(dtype)
-        self.model = build_model(ckpt.config, ckpt.params, self.dtype)
-        self.max_model_len = min(
-            max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
-        )
-        self.engine_options = engine_options
+        model = build_model(ckpt.config, ckpt.params, parse_dtype(config.dtype))
+        self._init(model, ckpt.tokenizer, config, config.model.display_name, t0)
+
+    def _init(self, model: Transformer, tokenizer, config: EngineConfig, name: str, t0: float) -> None:
+        """`name`: how clients and logs call the model (the file's base name, not the GGUF's general.name)."""
+        self.model, self.config, self.tokenizer, self.dtype = model, model.cfg, tokenizer, model.dtype
+        limit = self.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.engine_config = config.replace(max_model_len=self.max_model_len)
+        self.name = name
         self._engine = None
         self.load_seconds = time.perf_counter() - t0
 
@@ -94,9 +128,7 @@ class LLM:
     @property
     def engine(self):
         if self._engine is None:
-            self._engine = LLMEngine(
-                self.model, self.tokenizer, max_model_len=self.max_model_len, **self.engine_options
-            )
+            self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
         return self._engine
 
     def generate(
@@ -108,69 +140,49 @@ class LLM:
         top_k: int = 0,
         seed: int | None = None,
         chat: bool = False,
-        use_reference: bool = False,
         progress=None,
         **sampling,
     ) -> list[CompletionOutput]:
-        """Generates a completion per prompt.
+        """Generates a completion per prompt with the paged engine.
 
         Args:
           prompts: a string, a list of strings, or a list of token-id lists.
-          max_tokens, temperature, top_p, top_k, seed: sampling controls (temperature 0 = greedy).
+          max_tokens, temperature, top_p, top_k, seed: sampling controls (temperature 0 = greedy); prompt i is
+            sampled with seed + i.
           chat: render each string prompt as a user turn of the chat template.
-          use_reference: run the contiguous-cache reference path instead of the paged engine.
           progress: optional callable(finished, total, tokens): prompts finished, prompts in all, tokens generated
-            so far; called after every engine step (the reference path calls it once, at the end).
-          **sampling: further SamplingParams fields (min_p, stop, penalties, ...).
+            so far; called after every engine step.
+          **sampling: further SamplingParams fields (min_p, stop, stop_token_ids, penalties, min_tokens,
+            ignore_eos, logprobs).
 
         Returns:
           One CompletionOutput per prompt, in order.
+
+        Raises:
+          ValueError: a bad prompt or sampling option (checked here, once, for the whole batch).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.encode_prompt(p, chat) for p in prompts]
-        if use_reference:
-            outs = self._generate_reference(
-                texts, ids, max_tokens, temperature, top_p, top_k, seed, sampling.get("ignore_eos", False)
-            )
-            if progress is not None:
-                progress(len(outs), len(outs), sum(len(o.token_ids) for o in outs))
-            return outs
-        return self.engine.generate(
-            texts,
-            ids,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            progress=progress,
-            **sampling,
+        options = sampling_options(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **sampling
         )
+        return self.engine.generate(texts, ids, progress=progress, **options)
 
-    def _generate_reference(self, texts, ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos):
-        from serving.engine.reference import generate_reference
 
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        rows = [dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=(seed or 0) + i) for i in range(len(ids))]
-        t0 = time.perf_counter()
-        stop_ids = () if ignore_eos else self.config.eos_token_ids
-        out = generate_reference(self.model, ids, rows, [max_tokens] * len(ids), stop_ids, self.max_model_len)
-        elapsed = time.perf_counter() - t0
-        results = []
-        for text, prompt_ids, gen, lps in zip(texts, ids, out.token_ids, out.logprobs):
-            stopped = bool(gen) and gen[-1] in stop_ids
-            results.append(
-                CompletionOutput(
-                    text,
-                    prompt_ids,
-                    self.tokenizer.decode(gen),
-                    gen,
-                    "stop" if stopped else "length",
-                    lps,
-                    {"seconds": elapsed},
-                )
-            )
-        return results
+def sampling_options(**options) -> dict:
+    """Normalised SamplingParams keyword arguments (stop strings and ids as tuples), validated once here.
+
+    The engine builds each prompt's SamplingParams from them (seed + i for prompt i) without validating again.
+    """
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown sampling option {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    for key in ("stop", "stop_token_ids"):
+        if key in options:
+            value = options[key]
+            options[key] = (value,) if isinstance(value, str) else tuple(value or ())
+    SamplingParams(**options).validate()
+    return options

@@ -1,0 +1,359 @@
+"""The engine's configuration: one tree of frozen dataclasses, validated once, with no JAX and no I/O.
+
+    LLM(model, **flat) / absl flags (serving/flags.py)
+        --> EngineConfig.from_kwargs(**flat)          one flat name per option (the names users pass to LLM)
+              .model        ModelOptions         model, dtype, max_model_len
+              .cache        CacheConfig          block_size, num_kv_blocks, kv_cache_memory_fraction, kv_cache_dtype
+              .scheduler    SchedulerConfig      max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+                                                 policy, decode_steps, async_scheduling
+              .parallel     ParallelConfig       data/tensor/pipeline/expert_parallel_size -> dp, tp, pp, ep
+              .speculative  SpeculativeConfig    speculative_method, num_speculative_tokens, speculative_model,
+                                                 speculative_batch_threshold
+              .quantization QuantizationConfig   quantization
+              .runtime      RuntimeConfig        attention_backend, warmup, compilation_cache_dir
+        --> LLMEngine(model, tokenizer, config)
+
+Every `__post_init__` checks its own fields; EngineConfig checks what spans sections. A bad value, an unknown
+option or a contradiction raises ValueError naming the flat option. Options for features that are not built
+yet are refused ("... is not supported yet"), never ignored: each refusal is one `_not_supported_yet` line,
+to delete when the feature lands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any
+
+from sharding.config import ParallelConfig
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_COMPILATION_CACHE_DIR = os.path.join("~", ".cache", "pallas-serve", "xla")
+DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+POLICIES = ("fcfs", "priority")
+SPECULATIVE_METHODS = ("ngram", "draft", "self", "medusa")
+QUANTIZATIONS = ("int8", "fp8", "w8a8_fp8", "w8a8_int8", "int4_awq", "int4_gptq", "int4_rtn")
+ATTENTION_BACKENDS = ("mosaic_gpu", "triton", "interpret", "xla")  # pallas_kernels.backend.BACKENDS
+
+
+def _not_supported_yet(option: str, value: Any) -> None:
+    raise ValueError(f"{option}={value!r} is not supported yet")
+
+
+def _check(ok: bool, option: str, value: Any, requirement: str) -> None:
+    if not ok:
+        raise ValueError(f"{option} must be {requirement}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(option: str, value: Any, minimum: int) -> None:
+    _check(_is_int(value) and value >= minimum, option, value, f"an integer >= {minimum}")
+
+
+def _check_choice(option: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, option, value, f"one of {', '.join(map(repr, choices))}")
+
+
+def _dtype_name(dtype: Any) -> Any:
+    """'bfloat16' for the string, jnp.bfloat16 or np.dtype('bfloat16'); other values pass through (and fail)."""
+    if isinstance(dtype, str):
+        return dtype
+    return getattr(dtype, "name", None) or getattr(dtype, "__name__", dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """Which model, in which dtype, and its context limit.
+
+    Attributes:
+        model: None for the embedded default, or a .gguf file, an HF safetensors directory or an Orbax directory.
+        dtype: weights and compute dtype name (a jnp dtype is accepted and stored by name).
+        max_model_len: longest prompt + output; None: the model's own limit.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        _check(self.model is None or isinstance(self.model, str), "model", self.model, "a path or None")
+        _check_choice("dtype", self.dtype, DTYPES)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
+
+    @property
+    def display_name(self) -> str:
+        """A clean model name for clients and logs: the file or directory's base name (never GGUF metadata)."""
+        if self.model in (None, "", "default"):
+            return DEFAULT_MODEL_NAME
+        base = os.path.basename(os.path.normpath(self.model))
+        return base.removesuffix(".gguf")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool.
+
+    Attributes:
+        block_size: tokens per KV block; a power of two (the paged attention kernels require it).
+        num_kv_blocks: blocks in the pool; None sizes the pool from free device memory.
+        kv_cache_memory_fraction: share of free device memory for the pool, when num_kv_blocks is None.
+        kv_cache_dtype: "auto" (the model's dtype); "int8" and "fp8" are refused until the quantised cache lands.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.85
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self):
+        _check_int("block_size", self.block_size, 1)
+        _check(self.block_size & (self.block_size - 1) == 0, "block_size", self.block_size, "a power of two")
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 2)  # block 0 is the null page
+        f = self.kv_cache_memory_fraction
+        _check(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1,
+            "kv_cache_memory_fraction",
+            f,
+            "in (0, 1]",
+        )
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "auto":
+            _not_supported_yet("kv_cache_dtype", self.kv_cache_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching.
+
+    Attributes:
+        max_num_seqs: most sequences running together.
+        max_num_batched_tokens: token budget of one engine step; at least max_num_seqs, since every running
+            sequence needs one token of it per decode step.
+        enable_prefix_caching: share the KV of common prompt prefixes (radix cache).
+        policy: "fcfs" (arrival order) or "priority" (lower priority value first).
+        decode_steps: decode iterations per on-device loop when no request needs the host between tokens.
+        async_scheduling: launch the next decode loop before the host applies the current one, so the device
+            does not wait while the host postprocesses (serving/engine/decode_loop.py); results are identical.
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    decode_steps: int = 8
+    async_scheduling: bool = True
+
+    def __post_init__(self):
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
+                "a step could not give every running sequence its decode token"
+            )
+        _check(
+            isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching, "a bool"
+        )
+        _check_choice("policy", self.policy, POLICIES)
+        _check_int("decode_steps", self.decode_steps, 1)
+        _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (refused until it lands).
+
+    Attributes:
+        method: None (off), "ngram", "draft", "self" or "medusa".
+        num_speculative_tokens: tokens proposed per step (>= 1 with a method, 0 without).
+        speculative_model: the draft model's path (method "draft" only).
+        speculative_batch_threshold: speculate only while at most this many sequences run; 0: always.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    speculative_model: str | None = None
+    speculative_batch_threshold: int = 0
+
+    def __post_init__(self):
+        if self.method is not None:
+            _check_choice("speculative_method", self.method, SPECULATIVE_METHODS)
+            _not_supported_yet("speculative_method", self.method)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1 if self.method else 0)
+        _check_int("speculative_batch_threshold", self.speculative_batch_threshold, 0)
+        for option in ("num_speculative_tokens", "speculative_batch_threshold"):
+            if self.method is None and getattr(self, option):
+                raise ValueError(f"{option} needs speculative_method (speculative decoding is off)")
+        if (self.speculative_model is not None) != (self.method == "draft"):
+            raise ValueError("speculative_model is needed by, and only by, speculative_method='draft'")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight (and activation) quantisation (refused until it lands).
+
+    Attributes:
+        method: None (the checkpoint's dtype), or one of QUANTIZATIONS.
+    """
+
+    method: str | None = None
+
+    def __post_init__(self):
+        if self.method is not None:
+            _check_choice("quantization", self.method, QUANTIZATIONS)
+            _not_supported_yet("quantization", self.method)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How the engine runs on the device.
+
+    Attributes:
+        attention_backend: None (the fastest on the device) or one of ATTENTION_BACKENDS.
+        warmup: compile every step bucket at start-up; None: on accelerators only (minutes on a CPU).
+        compilation_cache_dir: persistent XLA compilation cache ('~' expanded when enabled); '' disables it.
+    """
+
+    attention_backend: str | None = None
+    warmup: bool | None = None
+    compilation_cache_dir: str = DEFAULT_COMPILATION_CACHE_DIR
+
+    def __post_init__(self):
+        if self.attention_backend is not None:
+            _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check(self.warmup in (None, True, False), "warmup", self.warmup, "True, False or None")
+        _check(
+            isinstance(self.compilation_cache_dir, str),
+            "compilation_cache_dir",
+            self.compilation_cache_dir,
+            "a path ('' disables it)",
+        )
+
+
+# Flat option name -> (section, field). The single list of the names LLM(...), from_kwargs and the flags accept.
+FLAT_OPTIONS: dict[str, tuple[str, str]] = {
+    "model": ("model", "model"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "block_size": ("cache", "block_size"),
+    "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "kv_cache_memory_fraction": ("cache", "kv_cache_memory_fraction"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "enable_prefix_caching": ("scheduler", "enable_prefix_caching"),
+    "policy": ("scheduler", "policy"),
+    "decode_steps": ("scheduler", "decode_steps"),
+    "async_scheduling": ("scheduler", "async_scheduling"),
+    "data_parallel_size": ("parallel", "dp"),
+    "tensor_parallel_size": ("parallel", "tp"),
+    "pipeline_parallel_size": ("parallel", "pp"),
+    "expert_parallel_size": ("parallel", "ep"),
+    "speculative_method": ("speculative", "method"),
+    "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
+    "speculative_model": ("speculative", "speculative_model"),
+    "speculative_batch_threshold": ("speculative", "speculative_batch_threshold"),
+    "quantization": ("quantization", "method"),
+    "attention_backend": ("runtime", "attention_backend"),
+    "warmup": ("runtime", "warmup"),
+    "compilation_cache_dir": ("runtime", "compilation_cache_dir"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is built from. Build it with `from_kwargs` (flat names) or from the sections.
+
+    Flat names read through: `config.max_num_seqs` is `config.scheduler.max_num_seqs`.
+    """
+
+    model: ModelOptions = dataclasses.field(default_factory=ModelOptions)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    quantization: QuantizationConfig = dataclasses.field(default_factory=QuantizationConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if not isinstance(section, f.default_factory):
+                raise ValueError(f"EngineConfig.{f.name} must be a {f.default_factory.__name__}, got {section!r}")
+        for option in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            if getattr(self, option) != 1:
+                _not_supported_yet(option, getattr(self, option))
+        length, blocks, bs = self.model.max_model_len, self.cache.num_kv_blocks, self.cache.block_size
+        if length is not None and blocks is not None and (blocks - 1) * bs < length:
+            raise ValueError(
+                f"num_kv_blocks={blocks} (block 0 is the null page) holds {(blocks - 1) * bs} tokens of "
+                f"block_size={bs}: too few for one sequence of max_model_len={length}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **flat: Any) -> EngineConfig:
+        """Builds the tree from flat option names (those of FLAT_OPTIONS); raises ValueError for unknown ones."""
+        unknown = [k for k in flat if k not in FLAT_OPTIONS]
+        if unknown:
+            name = unknown[0]
+            close = difflib.get_close_matches(name, FLAT_OPTIONS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known options: {', '.join(FLAT_OPTIONS)}"
+            raise ValueError(f"unknown engine option {name!r}{hint}")
+        sections: dict[str, dict[str, Any]] = {}
+        for name, value in flat.items():
+            section, field = FLAT_OPTIONS[name]
+            if section == "parallel":  # ParallelConfig names its fields dp/tp/pp/ep; name the option here
+                _check_int(name, value, 1)
+            sections.setdefault(section, {})[field] = value
+        types = {f.name: f.default_factory for f in dataclasses.fields(cls)}
+        return cls(**{name: types[name](**fields) for name, fields in sections.items()})
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The flat options; `EngineConfig.from_kwargs(**c.to_kwargs()) == c`."""
+        return {name: getattr(getattr(self, s), f) for name, (s, f) in FLAT_OPTIONS.items()}
+
+    def replace(self, **flat: Any) -> EngineConfig:
+        """A copy with some flat options changed, validated again."""
+        return EngineConfig.from_kwargs(**(self.to_kwargs() | flat))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in FLAT_OPTIONS:  # only reached for names that are not sections
+            section, field = FLAT_OPTIONS[name]
+            return getattr(getattr(self, section), field)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """HTTP settings of the server binary (the engine's are an EngineConfig).
+
+    Attributes:
+        host, port: where to listen.
+        api_key: when set, /v1 requests need `Authorization: Bearer <api_key>`.
+        served_model_name: the name clients pass as `model`; None: the model's display name.
+        max_queue: most requests waiting for a slot; beyond it 503 + Retry-After.
+        drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
+        log_level: uvicorn and server log level.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queue: int = 256
+    drain_timeout_s: float = 300.0
+    log_level: str = "info"
+
+    def __post_init__(self):
+        _check(_is_int(self.port) and 0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")
+        _check_int("max_queue", self.max_queue, 0)
+        _check(self.drain_timeout_s >= 0, "drain_timeout_s", self.drain_timeout_s, ">= 0")
+        _check_choice("log_level", self.log_level, ("debug", "info", "warning", "error"))

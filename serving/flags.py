@@ -1,0 +1,96 @@
+"""The engine's absl flags, defined once for every binary (serving/server.py, serving/generate.py,
+benchmarks/bench.py): one flag per EngineConfig option, named as the option, defaulting to the config's default.
+
+    flags  --engine_config_from_flags()-->  EngineConfig.from_kwargs(...)  (validates; ValueError names the flag)
+
+Flags carry no bounds of their own: EngineConfig validates every value, once. Importing this module defines the
+flags, so a binary imports it before absl parses argv.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from serving.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    FLAT_OPTIONS,
+    KV_CACHE_DTYPES,
+    POLICIES,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+)
+
+FLAGS = flags.FLAGS
+_D = EngineConfig()
+
+# Model
+flags.DEFINE_string(
+    "model", _D.model.model, "GGUF file, HF safetensors dir or Orbax dir (default: SmolLM2-135M-Instruct)"
+)
+flags.DEFINE_enum("dtype", _D.dtype, list(DTYPES), "weights and compute dtype")
+flags.DEFINE_integer("max_model_len", _D.max_model_len, "context limit, prompt + output (default: the model's)")
+# KV cache
+flags.DEFINE_integer("block_size", _D.block_size, "tokens per KV block (a power of two)")
+flags.DEFINE_integer("num_kv_blocks", _D.num_kv_blocks, "KV blocks in the pool (default: sized from free memory)")
+flags.DEFINE_float(
+    "kv_cache_memory_fraction", _D.kv_cache_memory_fraction, "share of free device memory for the KV cache, in (0, 1]"
+)
+flags.DEFINE_enum("kv_cache_dtype", _D.kv_cache_dtype, list(KV_CACHE_DTYPES), "KV cache dtype (auto: the model's)")
+# Scheduler
+flags.DEFINE_integer("max_num_seqs", _D.max_num_seqs, "most sequences decoded together")
+flags.DEFINE_integer("max_num_batched_tokens", _D.max_num_batched_tokens, "token budget of one engine step")
+flags.DEFINE_bool("enable_prefix_caching", _D.enable_prefix_caching, "share KV of common prompt prefixes")
+flags.DEFINE_enum("policy", _D.policy, list(POLICIES), "admission order: arrival (fcfs) or request priority")
+flags.DEFINE_integer("decode_steps", _D.decode_steps, "decode steps per on-device loop when no request needs the host")
+flags.DEFINE_bool(
+    "async_scheduling", _D.async_scheduling, "launch the next decode loop before the host applies the current one"
+)
+# Parallelism
+flags.DEFINE_integer("data_parallel_size", _D.parallel.dp, "data-parallel engine replicas")
+flags.DEFINE_integer("tensor_parallel_size", _D.parallel.tp, "devices each layer is split across")
+flags.DEFINE_integer("pipeline_parallel_size", _D.parallel.pp, "pipeline stages")
+flags.DEFINE_integer("expert_parallel_size", _D.parallel.ep, "devices the MoE experts are split across")
+# Speculative decoding and quantisation
+flags.DEFINE_enum("speculative_method", _D.speculative.method, list(SPECULATIVE_METHODS), "speculative decoding")
+flags.DEFINE_integer("num_speculative_tokens", _D.num_speculative_tokens, "tokens proposed per speculative step")
+flags.DEFINE_string("speculative_model", _D.speculative_model, "draft model (speculative_method=draft)")
+flags.DEFINE_integer(
+    "speculative_batch_threshold", _D.speculative_batch_threshold, "speculate only up to this many sequences (0: any)"
+)
+flags.DEFINE_enum("quantization", _D.quantization.method, list(QUANTIZATIONS), "weight quantisation")
+# Runtime
+flags.DEFINE_enum(
+    "attention_backend",
+    _D.attention_backend,
+    list(ATTENTION_BACKENDS),
+    "attention kernel backend (default: the fastest on the device)",
+)
+flags.DEFINE_bool(
+    "warmup", _D.warmup, "compile every step bucket at start-up (default: on accelerators only; the server: always)"
+)
+flags.DEFINE_string(
+    "compilation_cache_dir", _D.compilation_cache_dir, "persistent XLA compilation cache ('' disables it)"
+)
+
+ENGINE_FLAGS = tuple(FLAT_OPTIONS)
+
+
+def engine_flag_values() -> dict:
+    """The engine flags' values by option name."""
+    return {name: FLAGS[name].value for name in ENGINE_FLAGS}
+
+
+def engine_config_from_flags(**overrides) -> EngineConfig:
+    """The EngineConfig the flags describe (with `overrides`, flat option names, on top).
+
+    Raises:
+        ValueError: a bad, contradictory or not yet supported value, naming the flag.
+    """
+    return EngineConfig.from_kwargs(**(engine_flag_values() | overrides))
+
+
+def changed_engine_flags() -> list[str]:
+    """`--name=value` for every engine flag set away from its default (to hand on to a child server)."""
+    return [FLAGS[n].serialize() for n in ENGINE_FLAGS if FLAGS[n].value != FLAGS[n].default and FLAGS[n].serialize()]
