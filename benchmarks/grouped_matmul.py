@@ -103,6 +103,32 @@ def bench_shape(name, m, k, n, g, configs, backend):
     return rows
 
 
+def bench_moe_block(preset: str, tokens: int) -> dict:
+    """One MoE MLP layer (model/moe.py) at a preset's shape, bf16 random weights: grouped kernel vs ragged_dot."""
+    from flax import nnx  # noqa: PLC0415 (only this row needs the model)
+
+    from model import moe  # noqa: PLC0415
+    from model.config import ModelConfig  # noqa: PLC0415
+
+    cfg = ModelConfig.preset(preset)
+    x = jax.random.normal(jax.random.key(1), (tokens, cfg.hidden_size), jnp.bfloat16)
+    row = dict(preset=preset, tokens=tokens)
+    flops = 2.0 * tokens * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    outs = {}
+    for backend in ("mosaic_gpu", "xla"):
+        block = moe.MoEMLP(cfg, jnp.bfloat16, nnx.Rngs(params=0), backend=backend)
+        graph, state = nnx.split(block)
+        fn = jax.jit(lambda state, x, graph=graph: nnx.merge(graph, state)(x))
+        outs[backend] = fn(state, x)[0]
+        seconds = median_seconds(fn, state, x, **TIMING)
+        row[f"{backend}_ms"] = seconds * 1e3
+        row[f"{backend}_expert_tflops"] = flops / seconds / 1e12
+        del block, state
+    row["rel_error"] = rel_error(outs["mosaic_gpu"], outs["xla"])
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def summary(rows) -> str:
     lines = ["| shape | groups | dense TFLOP/s | ragged_dot | ours (default) | ours (best) | best / dense |"]
     lines.append("|---|---|---|---|---|---|---|")
@@ -121,19 +147,25 @@ def main() -> int:
     parser.add_argument("--out", default="grouped_matmul.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
     parser.add_argument("--shapes", default="", help="comma-separated subset of shape names")
+    parser.add_argument("--moe_block_tokens", type=int, default=0, help="also time one MoE layer on this many tokens")
     args = parser.parse_args()
     shapes, configs, backend = (SMOKE_SHAPES, SMOKE_CONFIGS, "interpret") if args.smoke else (SHAPES, CONFIGS, None)
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
-    rows = []
+    rows, blocks = [], []
     for shape in shapes:  # the JSON is rewritten after each shape, so a run cut short keeps what it measured
         rows += bench_shape(*shape, configs, backend)
         result = dict(
             device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(), jax=jax.__version__,
-            timing=TIMING, rows=rows,
+            timing=TIMING, rows=rows, moe_blocks=blocks,
         )  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    if args.moe_block_tokens:
+        for preset in ("mixtral_8x7b", "qwen_moe"):
+            blocks.append(bench_moe_block(preset, args.moe_block_tokens))
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     print(summary(rows), flush=True)
     return 0
 
