@@ -426,3 +426,94 @@ def test_first_token_on_smollm2():
     assert _chi2_pvalue(counts, np.append(pc[top], pc[rest].sum())) > P_MIN
     np.testing.assert_allclose(hist[top], pc[top], atol=0.01)
     assert np.argmax(hist) == np.argmax(pc)
+
+
+# N-gram proposer ---------------------------------------------------------------------------------------------------
+
+
+def _ngram(**kw):
+    from serving.engine.proposers import NgramProposer
+
+    return NgramProposer(**kw)
+
+
+def test_ngram_proposes_the_continuation_of_the_longest_recent_match():
+    ng = _ngram(max_n=4, min_n=1)
+    assert ng.propose_one([1, 2, 3, 4, 1, 2, 3], 3).tolist() == [4, 1, 2]  # n=3 match at the start
+    assert ng.propose_one([5, 6, 7, 5, 6, 8, 5, 6], 2).tolist() == [8, 5]  # most recent of two n=2 matches
+    # n=2 ([9, 1]) beats the more recent n=1 match of [1]: longer suffixes first.
+    assert ng.propose_one([9, 1, 4, 1, 7, 9, 1], 1).tolist() == [4]
+    assert ng.propose_one([1, 2, 1], 5).tolist() == [2, 1, 2, 1, 2]  # past the end: copies its own drafts
+    assert ng.propose_one([3, 4, 0, 3, 4, 3, 4], 3).tolist() == [3, 4, 3]  # n=2, latest of two: then periodic
+    assert ng.propose_one([5, 3, 4, 0, 3, 4, 5, 3, 4], 2).tolist() == [0, 3]  # n=3 [5, 3, 4] beats n=2's latest
+    assert ng.propose_one([1, 2, 3], 4).tolist() == []  # no earlier occurrence
+    assert ng.propose_one([7], 4).tolist() == []
+    assert ng.propose_one([1, 2, 1], 0).tolist() == []
+    assert _ngram(max_n=3, min_n=2).propose_one([1, 2, 1], 3).tolist() == []  # n=1 not allowed
+    assert _ngram(max_n=2, max_history=3).propose_one([1, 2, 9, 9, 1], 2).tolist() == []  # [1, 2] is out of the window
+
+
+def test_ngram_batch_proposal_layout():
+    from serving.engine.proposers import ProposalRow
+
+    rows = [ProposalRow("a", [1, 2, 3, 1, 2], 3), ProposalRow("b", [4, 5], 5), ProposalRow("c", [1, 1, 1, 1], 2)]
+    prop = _ngram().propose(rows)
+    assert prop.draft_probs is None and prop.k_max == 5
+    np.testing.assert_array_equal(prop.num_draft, [3, 0, 2])  # k drafts whenever an n-gram matches
+    np.testing.assert_array_equal(prop.draft_tokens, [[3, 1, 2, -1, -1], [-1] * 5, [1, 1, -1, -1, -1]])
+    assert prop.draft_tokens.dtype == np.int32 and prop.num_draft.dtype == np.int32
+
+
+def test_ngram_bad_options_raise():
+    from serving.engine.proposers import ProposalRow
+
+    for kw, match in (
+        (dict(min_n=0), "min_n"),
+        (dict(max_n=1, min_n=2), "max_n"),
+        (dict(max_history=2), "max_history"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _ngram(**kw)
+    with pytest.raises(ValueError, match="k must be"):
+        _ngram().propose([ProposalRow(0, [1, 2], -1)])
+    with pytest.raises(ValueError, match="empty"):
+        _ngram().propose([ProposalRow(0, [], 2)])
+
+
+def test_replay_greedy_counts_passes_and_acceptance():
+    from serving.engine.proposers import replay_greedy
+
+    # pass 1: no match, emits 1; pass 2: [1] matches, drafts [2, 3, 4], all right, emits them + 5.
+    r = replay_greedy(_ngram(), [1, 2, 3, 4, 5], [1, 2, 3, 4, 5], k=3)
+    assert (r["passes"], r["drafted"], r["accepted"], r["trials"], r["acceptance"]) == (2, 3, 3, 3, 1.0)
+    # A rejection: pass 2 drafts [2, 3] (2 tokens left to verify) against [2, 7]: 1 accepted of 2 trials; pass 3
+    # has only the last token left (no drafts).
+    r = replay_greedy(_ngram(), [1, 2, 3, 4, 5], [1, 2, 7, 7], k=3)
+    assert (r["passes"], r["drafted"], r["accepted"], r["trials"]) == (3, 2, 1, 2)
+    assert r["tokens"] == 4 and r["proposed_passes"] == 1
+
+
+def test_ngram_drafts_through_the_sampler_keep_the_greedy_chain():
+    """The n-gram proposer's one-hot drafts verified by rejection_sample against a greedy (one-hot) target emit
+    exactly the target's tokens, and as many per pass as replay_greedy predicts."""
+    from serving.engine.proposers import ProposalRow, replay_greedy
+
+    v, k = 8, 4
+    nxt = np.array([1, 2, 3, 0, 5, 6, 4, 7])  # a greedy target that cycles: copy-friendly
+    seq, passes = [0, 1, 2, 4], 0
+    ng = _ngram()
+    while len(seq) < 40:
+        prop = ng.propose([ProposalRow(0, seq, k)])
+        d = int(prop.num_draft[0])
+        drafts = np.zeros((1, k), np.int32)
+        drafts[0, :d] = prop.draft_tokens[0, :d]
+        ctx = np.array([seq[-1]] + drafts[0].tolist())
+        target = np.eye(v, dtype=np.float32)[nxt[ctx]][None]  # [1, k+1, V]
+        tok, ne = rejection_sample(target, None, drafts, np.array([d], np.int32), jax.random.key(passes))
+        seq += np.asarray(tok)[0, : int(ne[0])].tolist()
+        passes += 1
+    want = [0, 1, 2, 4]
+    while len(want) < len(seq):
+        want.append(int(nxt[want[-1]]))
+    assert seq == want
+    assert passes == replay_greedy(ng, [0, 1, 2, 4], seq[4:], k)["passes"]

@@ -1,0 +1,197 @@
+"""Draft proposers for speculative decoding: one interface, and the proposers that need no model.
+
+Each engine step, the scheduler gives every decode row a draft budget k_r (from serving/core/spec_policy.py); the
+proposer drafts up to k_r tokens per row with the distribution q each was drawn from; the runner verifies all rows'
+drafts in one target pass (1 + num_draft[r] query tokens per row, logits at each) and
+`serving.speculative.rejection_sample` keeps the exact prefix. The proposer never decides correctness, only speed:
+any drafts are fine as long as `draft_probs` is the distribution they were really drawn from.
+
+    rows (histories, k per row) --propose--> Proposal(draft_tokens [B, k_max], num_draft [B], draft_probs | None)
+                                                    |
+    target pass over [last, drafts...] --> target_probs [B, k_max+1, V] --> rejection_sample --> accepted + 1 token
+                                                    |
+    observe(request_id, num_draft, num_accepted) <--+   (stateful proposers roll back; the policy updates its EMA)
+
+How the model-based proposers fit (engine work, not here):
+  * draft model (shares the tokenizer): keeps its own paged KV on the request's block tables, keyed by
+    `ProposalRow.request_id`; `propose` runs k_max draft steps inside the engine's jitted loop and returns dense
+    `draft_probs` [B, k_max, V] as a device array (sampled rows) or None (greedy drafts: q one-hot);
+    `observe` tells it how many of its KV slots to roll back.
+  * self-speculation (the target's first L layers + its head): the same as a draft model, with the target's
+    weights and the first L layers' KV slots.
+  * trained heads (Medusa / EAGLE): read the target's last hidden state, which the runner passes in
+    `ProposalRow.hidden` (None for proposers that do not need it); one head per draft position.
+Host-side proposers (like the n-gram one) return numpy arrays; device proposers may return jax arrays of the same
+shapes. Both are consumed only by the jitted verify step.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposalRow:
+    """One decode row asking for drafts.
+
+    Attributes:
+      request_id: stable id of the request (stateful proposers key their state by it).
+      token_ids: the request's tokens so far (prompt + generated), the last one being the token the next target
+        pass consumes first.
+      k: the most drafts this row may get this step (0: none).
+      hidden: optional target hidden state of the last position (for trained-head proposers).
+    """
+
+    request_id: Any
+    token_ids: Sequence[int]
+    k: int
+    hidden: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """Drafts for a batch of rows.
+
+    Attributes:
+      draft_tokens: int32 [B, k_max]; row b's drafts are draft_tokens[b, :num_draft[b]], the rest is -1.
+      num_draft: int32 [B], 0 <= num_draft[b] <= rows[b].k.
+      draft_probs: float32 [B, k_max, V], the distribution each draft was drawn from, or None when q is one-hot
+        at the draft token (deterministic proposers).
+    """
+
+    draft_tokens: Any
+    num_draft: Any
+    draft_probs: Any = None
+
+    @property
+    def k_max(self) -> int:
+        return int(self.draft_tokens.shape[1])
+
+
+class Proposer(abc.ABC):
+    """Proposes up to k draft tokens per row, with their q."""
+
+    name: str = "proposer"
+
+    @abc.abstractmethod
+    def propose(self, rows: Sequence[ProposalRow]) -> Proposal:
+        """Drafts for `rows`; `draft_tokens` is as wide as the largest k among them."""
+
+    def observe(self, request_id: Any, num_draft: int, num_accepted: int) -> None:
+        """After verification: `num_accepted` of the row's `num_draft` drafts were kept (stateful proposers roll
+        back the rest). Stateless proposers ignore it."""
+        del request_id, num_draft, num_accepted
+
+    def release(self, request_id: Any) -> None:
+        """The request finished or was preempted: drop any state kept for it."""
+        del request_id
+
+
+def _check_rows(rows: Sequence[ProposalRow]) -> int:
+    for r in rows:
+        if r.k < 0:
+            raise ValueError(f"request {r.request_id!r}: k must be >= 0, got {r.k}")
+        if not len(r.token_ids):
+            raise ValueError(f"request {r.request_id!r}: token_ids is empty")
+    return max((r.k for r in rows), default=0)
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: match the history's last n tokens (n from max_n down to min_n) against its earlier tokens
+    and propose the k tokens that followed its most recent occurrence. No model; q is one-hot (draft_probs None).
+
+    A continuation that reaches the end of the history goes on copying from its own drafts: a match ending p
+    tokens before the end proposes the history's last p tokens repeated (a repeating pattern proposes its own
+    repetition). So a row gets k drafts whenever some n-gram matches, and none otherwise.
+
+    Args:
+      max_n / min_n: the longest and shortest suffix tried (longer matches first: they predict better).
+      max_history: only the last `max_history` tokens are searched (bounds the per-step cost, O(max_history * n)).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, max_history: int = 4096):
+        if min_n < 1:
+            raise ValueError(f"min_n must be >= 1, got {min_n}")
+        if max_n < min_n:
+            raise ValueError(f"max_n ({max_n}) must be >= min_n ({min_n})")
+        if max_history < max_n + 1:
+            raise ValueError(f"max_history must be > max_n, got {max_history}")
+        self.max_n, self.min_n, self.max_history = max_n, min_n, max_history
+
+    def propose_one(self, token_ids: Sequence[int], k: int) -> np.ndarray:
+        """Up to k draft tokens continuing `token_ids` (int32 [<= k])."""
+        hist = np.asarray(token_ids[-self.max_history :], dtype=np.int64)
+        n_tok = hist.size
+        if k <= 0:
+            return np.zeros(0, np.int32)
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = hist[n_tok - n :]
+            # Windows starting at j = 0 .. n_tok-1-n: each is followed by at least one token, and the window at
+            # j = n_tok - n (the suffix itself) is excluded.
+            windows = np.lib.stride_tricks.sliding_window_view(hist[: n_tok - 1], n)  # [n_tok - n, n]
+            hits = np.flatnonzero(np.all(windows == suffix, axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the most recent occurrence
+                out = np.empty(k, np.int32)
+                for i in range(k):  # past the history's end the copy continues from its own drafts (period)
+                    idx = start + i
+                    out[i] = hist[idx] if idx < n_tok else out[idx - n_tok]
+                return out
+        return np.zeros(0, np.int32)
+
+    def propose(self, rows: Sequence[ProposalRow]) -> Proposal:
+        k_max = _check_rows(rows)
+        draft = np.full((len(rows), k_max), -1, np.int32)
+        num = np.zeros(len(rows), np.int32)
+        for i, r in enumerate(rows):
+            toks = self.propose_one(r.token_ids, r.k)
+            draft[i, : toks.size] = toks
+            num[i] = toks.size
+        return Proposal(draft, num, None)
+
+
+def replay_greedy(proposer: Proposer, prompt: Sequence[int], generated: Sequence[int], k: int) -> dict:
+    """What speculative greedy decoding with `proposer` would have done on an already generated greedy sequence.
+
+    Under greedy decoding the output is the target's argmax chain whatever the drafts, so the accepted prefix of a
+    draft is its longest prefix equal to the tokens actually generated next. Walks the sequence pass by pass: each
+    pass proposes up to k tokens, accepts the matching prefix and emits it plus one target token.
+
+    Returns:
+      dict with passes, tokens (generated), drafted, accepted (draft tokens), proposed_passes (passes with >= 1
+      draft), and acceptance = accepted / trials, the per-token acceptance estimate, where a pass with d drafts
+      and m accepted contributes m successes out of m + (1 if m < d else 0) Bernoulli trials (acceptance stops
+      at the first rejection, so later drafts were never tested).
+    """
+    seq = list(prompt) + list(generated)
+    pos, passes, drafted, accepted, trials, proposed = len(prompt), 0, 0, 0, 0, 0
+    while pos < len(seq):
+        remaining = len(seq) - pos
+        drafts = proposer.propose([ProposalRow(passes, seq[:pos], min(k, remaining - 1))])
+        d = int(drafts.num_draft[0])
+        target = seq[pos : pos + d]
+        m = 0
+        while m < d and int(drafts.draft_tokens[0, m]) == target[m]:
+            m += 1
+        passes += 1
+        drafted += d
+        accepted += m
+        trials += m + (1 if m < d else 0)
+        proposed += d > 0
+        pos += m + 1
+    return dict(
+        passes=passes,
+        tokens=len(generated),
+        drafted=drafted,
+        accepted=accepted,
+        trials=trials,
+        proposed_passes=proposed,
+        acceptance=accepted / trials if trials else 0.0,
+    )
