@@ -40,8 +40,6 @@ Cfg = gm.GroupedMatmulConfig
 CONFIGS = [
     Cfg(),
     Cfg(delay_release=0),
-    Cfg(max_concurrent_steps=3),
-    Cfg(grid_tile_width=4),
     Cfg(grid_tile_width=16),
     Cfg(grid_minor_m=False, grid_tile_width=8),
     Cfg(tile_m=64),
