@@ -344,3 +344,27 @@ def test_sampling_params_validated_once_by_the_server_conversion(tiny_llm, monke
         engine.step()
     assert engine.pop_finished(rid) is not None
     assert len(calls) == 1
+
+
+def test_llm_construction_enables_the_compilation_cache(tiny_llm, monkeypatch, tmp_path):
+    import jax
+
+    from serving.engine import llm as llm_module
+
+    calls = {}
+    monkeypatch.setattr(jax.config, "update", lambda key, value: calls.__setitem__(key, value))
+
+    def no_checkpoint(model):
+        raise FileNotFoundError("not loaded in this test")
+
+    monkeypatch.setattr(llm_module, "load_checkpoint", no_checkpoint)
+    with pytest.raises(FileNotFoundError):
+        llm_module.LLM()  # the default: ~/.cache/pallas-serve/xla, before anything is loaded or compiled
+    assert calls["jax_compilation_cache_dir"] == os.path.expanduser(DEFAULT_COMPILATION_CACHE_DIR)
+    calls.clear()
+    config = tiny_llm.engine_config
+    llm_module.LLM.from_model(tiny_llm.model, tiny_llm.tokenizer, config.replace(compilation_cache_dir=str(tmp_path)))
+    assert calls["jax_compilation_cache_dir"] == str(tmp_path)
+    calls.clear()
+    llm_module.LLM.from_model(tiny_llm.model, tiny_llm.tokenizer, config.replace(compilation_cache_dir=""))
+    assert calls == {}
