@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from model.sampling import SamplingTensors, filter_logits
+from serving.core.spec_policy import expected_tokens
 
 MIN_RESIDUAL_MASS = 1e-6  # below this the residual is float error: draw from p instead
 
@@ -182,6 +183,4 @@ def expected_tokens_per_pass(acceptance: float, k: int) -> float:
         raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
-    if acceptance == 1.0:
-        return float(k + 1)
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+    return expected_tokens(acceptance, k)
