@@ -10,13 +10,14 @@ Formats (values dtype / scales shape for a logical [K, N] weight):
                  (two 4-bit codes a byte: row 2i in the low nibble, 2i+1 in the high)   zeros [K // g, N] or None
                  symmetric: w = (code - 8) * scale; asymmetric: w = (code - zero) * scale
 
-This file holds the data type and the plain-jnp dequantise-then-dot path; the Pallas kernels
-(pallas_kernels/quantized_matmul.py) are selected by `matmul` where they exist for the device.
+This file holds the data type and the plain-jnp dequantise-then-dot path; the Pallas streaming kernel
+(pallas_kernels/quantized_matmul.py) is selected by `matmul` on GPUs where it was measured faster than XLA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,12 @@ class QuantizedArray:
     def __post_init__(self):
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown quantised format {self.fmt!r}; choose one of {FORMATS}")
+
+    def __getitem__(self, index):
+        """`w[...]` is `w` itself, so an nnx.Param slot can hold a QuantizedArray and layers read it as usual."""
+        if index is not Ellipsis:
+            raise TypeError("a QuantizedArray is read whole: w[...]")
+        return self
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,13 +74,45 @@ def reference_matmul(x: jax.Array, w: QuantizedArray) -> jax.Array:
     return jnp.einsum("...k,kn->...n", x.astype(jnp.float32), wd, precision="highest").astype(x.dtype)
 
 
+# Where the streaming kernel (pallas_kernels/quantized_matmul.py, default tiles) beat XLA on the H200, by format:
+# the largest row count M it is used for. From benchmarks/results/quantized_matmul_h200.json (one run, 8 cases per
+# format: Llama-3-8B shapes at M = 1 and 64): bf16 beat XLA's dot in 7 of 8 (lost 4096x1024 at M = 64), int8 beat
+# XLA's upcast-then-dot in all 4 at M = 1 and lost 3 of 4 at M = 64, fp8 beat XLA's fp8 dot in all 8. int4 was not
+# compared with XLA's dequantise-then-dot in that run, so it is not selected yet.
+KERNEL_MAX_ROWS = {"bf16": 64, "int8": 16, "fp8": 64}
+
+
+def use_kernel(fmt: str, rows: int, n: int, x_dtype) -> bool:
+    """Whether matmul takes the Pallas streaming kernel for this call (GPU backends, bf16 / f16 activations)."""
+    from pallas_kernels.backend import default_backend
+
+    if default_backend("quantized_matmul") not in ("triton", "mosaic_gpu"):
+        return False
+    if x_dtype not in (jnp.bfloat16, jnp.float16) or (fmt == "bf16" and n <= 1024 and rows > 16):
+        return False
+    return rows <= KERNEL_MAX_ROWS.get(fmt, 0)
+
+
+def _kernel_matmul(x, values, scales, zeros, fmt, group_size):
+    from pallas_kernels.quantized_matmul import quantized_matmul
+
+    return quantized_matmul(x, values, scales, zeros, fmt=fmt, group_size=group_size, backend="triton")
+
+
 def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.Array:
     """The door every linear layer goes through: x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x's).
 
     Plain arrays (bf16 / f32) and every quantised format enter here; the implementation is chosen by the format.
-    Accumulation is float32; `out_dtype=jnp.float32` keeps it (the LM head's logits).
+    Accumulation is float32; `out_dtype=jnp.float32` keeps it (the LM head's logits). On a GPU the Pallas
+    streaming kernel runs where `use_kernel` says it beat XLA (outputs in x's dtype only); plain jnp elsewhere.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    rows = math.prod(x.shape[:-1])
+    fmt = w.fmt if isinstance(w, QuantizedArray) else ("bf16" if w.dtype == jnp.bfloat16 else "")
+    if fmt and out_dtype == x.dtype and use_kernel(fmt, rows, w.shape[-1], x.dtype):
+        if fmt == "bf16":
+            return _kernel_matmul(x, w, None, None, "bf16", 0)
+        return _kernel_matmul(x, w.values, w.scales, w.zeros, w.fmt, w.group_size)
     if not isinstance(w, QuantizedArray):
         return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
     wd = w.dequantize(x.dtype)

@@ -145,7 +145,7 @@ def _split_row(m0, mp: int, num_splits: int):
 
 def _dense_kernel(
     x_ref,  # [Mp, Kp] compute dtype, K zero-padded to whole steps
-    w_ref,  # [K, N] bf16 / f16 / int8 / float8_e4m3fn
+    w_ref,  # [K, N] bf16 / f16 / int8 / float8_e4m3fn (uint8 bits of e4m3 when tiles are partial)
     s_ref,  # [N] f32 per-channel scale (None for plain weights)
     o_ref,  # [Mp, N] x dtype (one split) or [S * Mp, N] f32 partials
     *,
@@ -156,12 +156,15 @@ def _dense_kernel(
     bk: int,
     num_steps: int,
     steps_per_split: int,
+    fp8_bits: bool,
 ):
     m0, n0, first, last = _program_range(bm, bn, num_steps, steps_per_split)
 
     def body(i, acc):
         x = x_ref[pl.ds(m0, bm), pl.ds(i * bk, bk)]  # [bm, bk]
         w = _load_tile(w_ref, i * bk, bk, n0, bn)  # [bk, bn]
+        if fp8_bits:  # masked loads cannot fill an fp8 tile in Triton's lowering: load the bytes, then view them
+            w = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
         return acc + _dot(x, w.astype(x.dtype))
 
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))  # [bm, bn]
@@ -245,11 +248,13 @@ def plan(m: int, k: int, n: int, fmt: str, group_size: int, config: QuantizedMat
 
 def _build_call(p: _Plan, n: int, out_dtype, inputs, *, fmt, group_size, config, interpret):
     grid = (p.mp // p.bm, -(-n // p.bn), p.num_splits)
-    common = dict(mp=p.mp, num_splits=p.num_splits, bm=p.bm, bn=p.bn, num_steps=p.num_steps, steps_per_split=p.steps_per_split)
+    common = dict(
+        mp=p.mp, num_splits=p.num_splits, bm=p.bm, bn=p.bn, num_steps=p.num_steps, steps_per_split=p.steps_per_split
+    )
     if fmt == "int4":
         kernel = functools.partial(_int4_kernel, group_size=group_size, groups_per_step=p.bk // group_size, **common)
     else:
-        kernel = functools.partial(_dense_kernel, bk=p.bk, **common)
+        kernel = functools.partial(_dense_kernel, bk=p.bk, fp8_bits=fp8_needs_bits(fmt, inputs[1].shape, p), **common)
     if p.num_splits == 1:
         out_shape = out_struct((p.mp, n), out_dtype, [a for a in inputs if a is not None])
     else:
@@ -264,6 +269,11 @@ def _build_call(p: _Plan, n: int, out_dtype, inputs, *, fmt, group_size, config,
     )(*inputs)
 
 
+def fp8_needs_bits(fmt: str, shape, p: _Plan) -> bool:
+    """Whether an fp8 weight travels as uint8 bits: only where its tiles are partial (masked loads)."""
+    return fmt == "fp8" and bool(shape[0] % p.bk or shape[1] % p.bn)
+
+
 def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
     """x2 [M, K] -> [M, N] through the kernel."""
     m, k = x2.shape
@@ -276,6 +286,8 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
     elif fmt == "bf16":
         inputs = (xp, values, None)
     else:
+        if fp8_needs_bits(fmt, values.shape, p):
+            values = jax.lax.bitcast_convert_type(values, jnp.uint8)
         inputs = (xp, values, jnp.broadcast_to(scales.astype(jnp.float32), (n,)))
     out = _build_call(p, n, x2.dtype, inputs, fmt=fmt, group_size=group_size, config=config, interpret=interpret)
     if p.num_splits > 1:
