@@ -10,7 +10,8 @@ Cases:
            (`Transformer(cfg, rngs=nnx.Rngs(seed))`: the whole module initialised at once) runs as a second case.
 
 Every case runs in its own child process, so `ru_maxrss` (peak resident set of the process) is that case's peak;
-the peak after imports alone is reported as `import_rss_mb` so the load's own share can be read off. Prints one
+the peak after imports and backend start-up is reported as `import_rss_mb`, so the load's own share can be read
+off. Prints one
 line per case and writes the JSON list to --out (default benchmarks/results/load_model_<case>_<label>.json).
 """
 
@@ -42,6 +43,7 @@ def _child(args: argparse.Namespace) -> dict:
         from serving import LLM
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    jax.block_until_ready(jnp.zeros(()))  # Starts the backend (CUDA context) before the baseline is read.
     import_rss = _peak_rss_mb()
     t0 = time.perf_counter()
     extra = {}
@@ -58,7 +60,7 @@ def _child(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - t0
     return {
         "case": args.case,
-        "impl": args.impl,
+        "impl": args.impl if args.case == "random" else "-",
         "label": args.label,
         "model": args.model or "default" if args.case == "gguf" else args.preset,
         "dtype": args.dtype,

@@ -25,8 +25,8 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclasses.dataclass
 class Checkpoint:
-    """A loaded checkpoint. `params` is dict-like (canonical name -> host array); for GGUF and HF sources it is a
-    checkpoints.lazy.LazyParams that reads (and, for GGUF, dequantises) a tensor each time it is indexed, so
+    """A loaded checkpoint. `params` is dict-like (canonical name -> host array): a checkpoints.lazy.LazyParams
+    that reads (and, for GGUF, dequantises) a tensor each time it is indexed, so
     `build_model(ckpt.config, ckpt.params, dtype)` converts and places one tensor at a time."""
 
     config: ModelConfig
@@ -70,7 +70,7 @@ def resolve_model_path(model: str | None) -> str:
 def load_checkpoint(model: str | None = None, progress=None) -> Checkpoint:
     """Loads config, canonical params (float32 for GGUF, stored dtype otherwise) and tokenizer from any format.
 
-    GGUF and HF params are lazy (see `Checkpoint`); names and shapes are checked here, before any tensor is read.
+    The params are lazy (see `Checkpoint`); names and shapes are checked here, before any tensor is read.
 
     Raises:
       FileNotFoundError: the path does not exist.
@@ -94,8 +94,8 @@ def load_checkpoint(model: str | None = None, progress=None) -> Checkpoint:
     from checkpoints import orbax_io
 
     if orbax_io.is_orbax_dir(path):
-        config, params, tokenizer = orbax_io.restore(path)
-        return Checkpoint(config, {k: np.asarray(v) for k, v in params.items()}, tokenizer, path)
+        config, params, tokenizer = orbax_io.restore(path, lazy=True)
+        return Checkpoint(config, params, tokenizer, path)
     raise ValueError(
         f"{path}: not a GGUF file, an HF safetensors directory (config.json + *.safetensors) "
         "or an Orbax checkpoint directory"

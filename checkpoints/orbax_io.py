@@ -10,13 +10,16 @@ Directory layout:
 
 Restoring with a mesh hands orbax one ArrayRestoreArgs per array carrying its NamedSharding from
 sharding/rules.py, so every host reads only the shards its devices hold; nothing is materialised on one device
-and then redistributed. Without a mesh, arrays come back as host numpy arrays (the loaders' common currency).
+and then redistributed. Without a mesh, arrays come back as host numpy arrays (the loaders' common currency),
+all at once or, with `lazy=True`, one per access (a LazyParams, as the GGUF and HF loaders give).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -26,6 +29,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from checkpoints.gguf import check_params, expected_shapes
+from checkpoints.lazy import LazyParams
 from model.config import ModelConfig
 from sharding.rules import param_shardings
 
@@ -93,7 +97,32 @@ def load_config(directory: str) -> ModelConfig:
         return ModelConfig.from_json(f.read())
 
 
-def restore(directory: str, mesh: Mesh | None = None, dtype: Any = None) -> tuple[ModelConfig, dict[str, Any], Any]:
+def _restore_one(checkpointer, params_dir: str, name: str, dtype: Any) -> np.ndarray:
+    """One array of the checkpoint, read to the host (orbax partial restore)."""
+    args = {name: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)}
+    restored = checkpointer.restore(
+        params_dir, args=ocp.args.PyTreeRestore(item={name: 0}, restore_args=args, partial_restore=True)
+    )
+    return restored[name]
+
+
+def _read_params(checkpointer, params_dir: str, stored, config: ModelConfig, mesh, dtype, lazy: bool):
+    """The arrays: lazily to the host, all to the host, or each into its NamedSharding on `mesh`."""
+    cast = None if dtype is None else jnp.dtype(dtype)
+    if lazy and mesh is None:
+        loaders = {k: functools.partial(_restore_one, checkpointer, params_dir, k, cast) for k in stored}
+        return LazyParams(loaders, {k: tuple(m.shape) for k, m in stored.items()})
+    if mesh is None:
+        args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast) for k in stored}
+    else:
+        shardings = param_shardings({k: tuple(m.shape) for k, m in stored.items()}, mesh, head_dim=config.head_dim)
+        args = {k: ocp.ArrayRestoreArgs(sharding=shardings[k], dtype=cast) for k in stored}
+    return dict(checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=args)))
+
+
+def restore(
+    directory: str, mesh: Mesh | None = None, dtype: Any = None, *, lazy: bool = False
+) -> tuple[ModelConfig, Mapping[str, Any], Any]:
     """Restores (config, params, tokenizer) from a checkpoint written by `save`.
 
     Args:
@@ -101,6 +130,8 @@ def restore(directory: str, mesh: Mesh | None = None, dtype: Any = None) -> tupl
         mesh: when given, each array is read directly into its NamedSharding (sharding/rules.py) on this mesh
             and comes back as a jax.Array; when None, arrays come back as numpy on the host.
         dtype: cast to this dtype while reading (e.g. jnp.bfloat16); None keeps the stored dtype.
+        lazy: without a mesh, return a checkpoints.lazy.LazyParams that reads one array per access (so a model
+            build holds one host array at a time) instead of a dict of all of them.
 
     Returns:
         (config, canonical params, Tokenizer or None).
@@ -124,16 +155,10 @@ def restore(directory: str, mesh: Mesh | None = None, dtype: Any = None) -> tupl
     ]
     if problems:
         raise ValueError(f"{directory}: stored params do not match config.json: {problems[:8]}")
-    cast = None if dtype is None else jnp.dtype(dtype)
-    if mesh is None:
-        args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast) for k in stored}
-    else:
-        shardings = param_shardings({k: tuple(m.shape) for k, m in stored.items()}, mesh, head_dim=config.head_dim)
-        args = {k: ocp.ArrayRestoreArgs(sharding=shardings[k], dtype=cast) for k in stored}
-    params = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=args))
+    params = _read_params(checkpointer, params_dir, stored, config, mesh, dtype, lazy)
     tokenizer = None
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
         from checkpoints.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.load(directory)
-    return config, dict(params), tokenizer
+    return config, params, tokenizer

@@ -246,12 +246,12 @@ def random_model(
     for i, (name, slot) in enumerate(slots.items()):
         spec = slot.get_value()
         sharding = None if shardings is None else shardings.get(name)
-        init = _jitted_init(name, tuple(spec.shape), jnp.dtype(dtype), sharding)
+        kind = name if name == "embed" else name.rsplit(".", 1)[-1]  # Layers share one compilation per slot.
+        init = _jitted_init(kind, tuple(spec.shape), jnp.dtype(dtype), sharding)
         slot.set_value(init(jax.random.fold_in(root, i)))
     return model
 
 
 @functools.cache
-def _jitted_init(name: str, shape: tuple[int, ...], dtype, sharding):
-    leaf = name if name == "embed" else name.rsplit(".", 1)[-1]  # Layers share compilations.
-    return jax.jit(functools.partial(_init_value, leaf, shape=shape, dtype=dtype), out_shardings=sharding)
+def _jitted_init(kind: str, shape: tuple[int, ...], dtype, sharding):
+    return jax.jit(functools.partial(_init_value, kind, shape=shape, dtype=dtype), out_shardings=sharding)

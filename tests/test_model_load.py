@@ -210,3 +210,18 @@ def test_shardings_naming_unknown_parameters_raise():
         build_model(cfg, params, shardings={"layers.9.wq": None})
     with pytest.raises(ValueError, match="shardings name parameters"):
         random_model(cfg, shardings={"nope": None})
+
+
+def test_orbax_checkpoint_is_read_lazily(tmp_path):
+    from checkpoints import orbax_io
+    from checkpoints.loader import load_checkpoint
+
+    cfg = ModelConfig.tiny()
+    params = host_params(cfg, seed=6)
+    orbax_io.save(str(tmp_path / "ckpt"), cfg, params)
+    ckpt = load_checkpoint(str(tmp_path / "ckpt"))
+    assert isinstance(ckpt.params, LazyParams) and ckpt.params.reads == 0
+    model = build_model(ckpt.config, ckpt.params, jnp.bfloat16)
+    assert ckpt.params.reads == len(params)
+    for name, value in model_params(model).items():
+        np.testing.assert_array_equal(np.asarray(value), params[name].astype(jnp.bfloat16), err_msg=name)
