@@ -22,9 +22,11 @@ A provisional (draft) position is written like any other, but stays outside `num
 verifier accepts it. After verification the scheduler sets `num_computed_tokens` to the accepted length and
 calls `rollback`, which frees the blocks past it:
 
-    before   t0  d1  d2  d3  d4      end = start + 5, blocks cover it
-             [ b3 ...... | b4 ...  ]
-    accept 1 t0  d1 |x   x   x       num_computed = start + 2; blocks past ceil(num_computed / bs) are freed
+    block_size 4, num_computed = start = 6, the last token t0 and 4 drafts (append_provisional(req, 4)):
+    position   4   5   6   7  | 8   9   10  11
+    token      .   .   t0  d1 | d2  d3  d4  -        end = 11
+    block      b1             | b2 (taken for the drafts)
+    d1 accepted, d2 rejected (rollback(req, 3)): num_computed = 8, ceil(8 / 4) = 2 blocks kept, b2 freed
 
 Only committed blocks ever enter the prefix cache (`cache_computed` inserts the full blocks below
 num_computed_tokens), so a block holding a rejected draft's KV is never shared. Its garbage KV is overwritten
@@ -79,7 +81,7 @@ class PrefixHit:
     num_blocks: int
 
 
-_FAILED = Allocation(False)
+_FAILED, _DONE = Allocation(False), Allocation(True)
 
 
 class KVManager:
@@ -182,7 +184,7 @@ class KVManager:
         bm, bs = self.block_manager, self.block_size
         start = req.num_computed_tokens
         if n == 1 and start // bs < len(req.block_ids) and bm.refcount(req.block_ids[start // bs]) == 1:
-            return Allocation(True)  # Decode fast path: the token goes into a private block already held.
+            return _DONE  # Decode fast path: the token goes into a private block already held.
         num_new, shared = self._needs(req, n)
         need = num_new + len(shared)
         if need > bm.num_free:
@@ -294,6 +296,9 @@ class KVManager:
             assert self._num_tree_blocks.get(req.request_id, 0) <= req.num_computed_tokens // self.block_size
             expected.update(req.block_ids)
         assert set(self._provisional) <= ids, f"provisional tokens of {set(self._provisional) - ids}"
+        for req in holders:
+            end = self._provisional.get(req.request_id, (0, 0))[0]
+            assert self.blocks_for(end) <= len(req.block_ids), f"{req.request_id}: provisional past its blocks"
         assert set(self._lock_node) <= ids, f"locks of {set(self._lock_node) - ids}"
         if self.cache is not None:
             self.cache.check_invariants()
