@@ -163,7 +163,8 @@ class Request:
             scheduler's KVManager.
         spec_token_ids: draft tokens proposed to follow all_token_ids, set by the engine before `schedule` for
             speculative verification (empty: none). A decode row then computes its last token and the drafts in
-            one step; `update` accepts a prefix of them and clears the list.
+            one step (the scheduler may trim them: ScheduledRequest.num_draft says how many); `update` accepts a
+            prefix of them and clears the list. Only decode rows of running requests use them.
     """
 
     request_id: str
