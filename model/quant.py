@@ -10,6 +10,12 @@ Formats (values dtype / scales shape for a logical [K, N] weight):
                  (two 4-bit codes a byte: row 2i in the low nibble, 2i+1 in the high)   zeros [K // g, N] or None
                  symmetric: w = (code - 8) * scale; asymmetric: w = (code - zero) * scale
 
+Optional extensions (all default off, so the layouts above are unchanged):
+    pre_scale  float32 [K]   activations are multiplied by it before the matmul (AWQ / SmoothQuant move a
+                             per-input-channel factor from x into the weight); logical weight = pre_scale[:, None] * w
+    act_fmt    "int8" | "fp8" | ""   W8A8: x (after pre_scale) is quantised per token (dynamic) or with the static
+                             per-tensor `act_scale` [] and dequantised before the dot (the numerics of a W8A8 kernel)
+
 This file holds the data type and the plain-jnp dequantise-then-dot path; the Pallas streaming kernel
 (pallas_kernels/quantized_matmul.py) is selected by `matmul` on GPUs where it was measured faster than XLA.
 """
@@ -23,6 +29,8 @@ import jax
 import jax.numpy as jnp
 
 FORMATS = ("int8", "fp8", "int4")
+ACT_FORMATS = ("", "int8", "fp8")
+ACT_MAX = {"int8": 127.0, "fp8": 448.0}
 
 
 @jax.tree_util.register_dataclass
@@ -35,10 +43,15 @@ class QuantizedArray:
     zeros: jax.Array | None = None
     fmt: str = dataclasses.field(default="int8", metadata=dict(static=True))
     group_size: int = dataclasses.field(default=0, metadata=dict(static=True))
+    pre_scale: jax.Array | None = None
+    act_scale: jax.Array | None = None
+    act_fmt: str = dataclasses.field(default="", metadata=dict(static=True))
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown quantised format {self.fmt!r}; choose one of {FORMATS}")
+        if self.act_fmt not in ACT_FORMATS:
+            raise ValueError(f"unknown activation format act_fmt={self.act_fmt!r}; choose one of {ACT_FORMATS}")
 
     def __getitem__(self, index):
         """`w[...]` is `w` itself, so an nnx.Param slot can hold a QuantizedArray and layers read it as usual."""
@@ -53,23 +66,56 @@ class QuantizedArray:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.size * a.dtype.itemsize) for a in (self.values, self.scales, self.zeros) if a is not None)
+        arrays = (self.values, self.scales, self.zeros, self.pre_scale, self.act_scale)
+        return sum(int(a.size * a.dtype.itemsize) for a in arrays if a is not None)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The logical weight [K, N] in `dtype`."""
+        """The logical weight [K, N] in `dtype` (pre_scale folded in)."""
+        w = self._dequantize_stored()
+        if self.pre_scale is not None:
+            w = w * self.pre_scale.astype(jnp.float32)[:, None]
+        return w.astype(dtype)
+
+    def _dequantize_stored(self) -> jax.Array:
         if self.fmt in ("int8", "fp8"):
-            return (self.values.astype(jnp.float32) * self.scales.astype(jnp.float32)).astype(dtype)
+            return self.values.astype(jnp.float32) * self.scales.astype(jnp.float32)
         lo = (self.values & 0xF).astype(jnp.float32)
         hi = (self.values >> 4).astype(jnp.float32)
         k2, n = self.values.shape
         codes = jnp.stack([lo, hi], axis=1).reshape(2 * k2, n)  # row 2i low nibble, 2i+1 high nibble
         g = self.group_size
         zeros = 8.0 if self.zeros is None else jnp.repeat(self.zeros.astype(jnp.float32), g, axis=0)
-        return ((codes - zeros) * jnp.repeat(self.scales.astype(jnp.float32), g, axis=0)).astype(dtype)
+        return (codes - zeros) * jnp.repeat(self.scales.astype(jnp.float32), g, axis=0)
+
+
+def fake_quantize_activations(x: jax.Array, act_fmt: str, act_scale: jax.Array | None) -> jax.Array:
+    """x quantised to int8 / e4m3 and back (per token from its own max unless a static scale is given)."""
+    x32 = x.astype(jnp.float32)
+    if act_scale is None:
+        amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+        scale = jnp.where(amax > 0, amax / ACT_MAX[act_fmt], 1.0)
+    else:
+        scale = act_scale.astype(jnp.float32)
+    if act_fmt == "int8":
+        q = jnp.clip(jnp.round(x32 / scale), -127, 127)
+    else:
+        q = jnp.clip(x32 / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return (q * scale).astype(x.dtype)
+
+
+def _prepare_input(x: jax.Array, w: QuantizedArray) -> jax.Array:
+    if w.pre_scale is not None:
+        x = (x.astype(jnp.float32) * w.pre_scale.astype(jnp.float32)).astype(x.dtype)
+    if w.act_fmt:
+        x = fake_quantize_activations(x, w.act_fmt, w.act_scale)
+    return x
 
 
 def reference_matmul(x: jax.Array, w: QuantizedArray) -> jax.Array:
     """x [..., K] @ dequantize(w) [K, N] -> [..., N] in x's dtype, float32 accumulation (the oracle)."""
+    if w.act_fmt:
+        x = _prepare_input(x, w)
+        w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)
     wd = w.dequantize(jnp.float32)
     return jnp.einsum("...k,kn->...n", x.astype(jnp.float32), wd, precision="highest").astype(x.dtype)
 
@@ -108,6 +154,9 @@ def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.A
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     rows = math.prod(x.shape[:-1])
+    if isinstance(w, QuantizedArray) and (w.pre_scale is not None or w.act_fmt):
+        x = _prepare_input(x, w)
+        w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)
     fmt = w.fmt if isinstance(w, QuantizedArray) else ("bf16" if w.dtype == jnp.bfloat16 else "")
     if fmt and out_dtype == x.dtype and use_kernel(fmt, rows, w.shape[-1], x.dtype):
         if fmt == "bf16":

@@ -1,0 +1,230 @@
+"""Quantisation methods: float weights [K, N] (in, out) -> QuantizedArray (model/quant.py layouts), in JAX.
+
+    rtn(w, fmt, ...)                      round to nearest, per output channel (int8 / fp8) or per group (int4)
+    awq(w, x, ...)                        per-input-channel scales s = a^alpha searched on calibration inputs x;
+                                          stores Q(diag(s) w) with pre_scale = 1 / s
+    gptq(w, x, ...)                       input rows quantised one by one; each row's error is spread over the rows
+                                          not yet quantised through the inverse Hessian (2 x^T x) of the inputs
+    smoothquant(w, x, alpha)              W8A8 int8: s = max|x|^alpha / max|w|^(1-alpha) moves outliers from x
+                                          into w; int8 weights per channel, int8 activations per token
+    fp8_w8a8(w, x=None)                   W8A8 fp8: per-channel e4m3 weights; activations per token (dynamic) or
+                                          with one static scale calibrated on x
+
+Calibration inputs x are the activations that reach the layer [T, K] (float32). Scales are floored at a tiny
+positive value, so an all-zero column or group never yields a zero or NaN scale.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from model.quant import ACT_MAX, QuantizedArray
+
+TINY = 1e-8
+FP8_MAX = 448.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Round to nearest.
+# ---------------------------------------------------------------------------------------------------------
+def pack_int4(codes_kn: jax.Array) -> jax.Array:
+    """codes [K, N] in 0..15 -> uint8 [K/2, N]: row 2i in the low nibble, row 2i+1 in the high."""
+    codes = codes_kn.astype(jnp.uint8)
+    return codes[0::2] | (codes[1::2] << 4)
+
+
+def unpack_int4(values: jax.Array) -> jax.Array:
+    """uint8 [K/2, N] -> codes [K, N] (inverse of pack_int4)."""
+    k2, n = values.shape
+    return jnp.stack([values & 0xF, values >> 4], axis=1).reshape(2 * k2, n)
+
+
+def _safe(scale: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isfinite(scale) & (scale > TINY), scale, jnp.where(jnp.isfinite(scale), TINY, 1.0))
+
+
+def int4_group_params(w_kn: jax.Array, group_size: int, asymmetric: bool):
+    """Scales (and integer zero points) [K/g, N] of each group of g input rows."""
+    k, n = w_kn.shape
+    wg = w_kn.reshape(k // group_size, group_size, n)
+    if not asymmetric:
+        return _safe(jnp.max(jnp.abs(wg), axis=1) / 7.0), None
+    lo = jnp.minimum(jnp.min(wg, axis=1), 0.0)
+    hi = jnp.maximum(jnp.max(wg, axis=1), 0.0)
+    scale = _safe((hi - lo) / 15.0)
+    return scale, jnp.clip(jnp.round(-lo / scale), 0, 15)
+
+
+def int4_codes(w_kn, scales, zeros, group_size):
+    """Codes [K, N] of w for given group scales / zero points (zero 8 when symmetric)."""
+    s = jnp.repeat(scales, group_size, axis=0)
+    z = 8.0 if zeros is None else jnp.repeat(zeros, group_size, axis=0)
+    return jnp.clip(jnp.round(w_kn / s) + z, 0, 15)
+
+
+def rtn(w_kn, fmt: str, *, group_size: int = 128, asymmetric: bool = False, per_tensor: bool = False):
+    """Round-to-nearest QuantizedArray of w [K, N].
+
+    Args:
+        fmt: "int8" (per output channel, symmetric), "fp8" (e4m3, per channel or `per_tensor`), "int4"
+            (per group of `group_size` input rows; symmetric, or `asymmetric` with integer zero points).
+    """
+    w = jnp.asarray(w_kn, jnp.float32)
+    if fmt == "int8":
+        scale = _safe(jnp.max(jnp.abs(w), axis=0) / 127.0)
+        return QuantizedArray(jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale, fmt="int8")
+    if fmt == "fp8":
+        amax = jnp.max(jnp.abs(w)) if per_tensor else jnp.max(jnp.abs(w), axis=0)
+        scale = _safe(amax / FP8_MAX)
+        return QuantizedArray(jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale, fmt="fp8")
+    if fmt != "int4":
+        raise ValueError(f"rtn: unknown fmt {fmt!r}; choose int8, fp8 or int4")
+    if w.shape[0] % group_size or group_size % 2:
+        raise ValueError(f"rtn: K={w.shape[0]} is not a multiple of group_size={group_size}")
+    scales, zeros = int4_group_params(w, group_size, asymmetric)
+    values = pack_int4(int4_codes(w, scales, zeros, group_size))
+    return QuantizedArray(values, scales, zeros, fmt="int4", group_size=group_size)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AWQ.
+# ---------------------------------------------------------------------------------------------------------
+def awq(w_kn, x_tk, *, fmt: str = "int4", group_size: int = 128, asymmetric: bool = True, grid: int = 20, **kw):
+    """Activation-aware weight quantisation: the per-input-channel scale s = mean|x|^alpha (alpha on a grid of
+    `grid` points in [0, 1), alpha = 0 is RTN) that minimises ||x w - x w_q||^2 on the calibration inputs.
+
+    Returns a QuantizedArray of diag(s) w with pre_scale = 1 / s (so x -> x / s before the matmul).
+    """
+    w = jnp.asarray(w_kn, jnp.float32)
+    x = jnp.asarray(x_tk, jnp.float32)
+    act = jnp.maximum(jnp.mean(jnp.abs(x), axis=0), TINY)  # [K]
+    errors = [float(_awq_error(w, x, act, jnp.float32(i / grid), fmt, group_size, asymmetric)) for i in range(grid)]
+    alpha = errors.index(min(errors)) / grid
+    s = _awq_scale(act, alpha)
+    q = rtn(w * s[:, None], fmt, group_size=group_size, asymmetric=asymmetric, **kw)
+    return QuantizedArray(q.values, q.scales, q.zeros, q.fmt, q.group_size, pre_scale=1.0 / s)
+
+
+def _awq_scale(act, alpha):
+    s = act**alpha
+    return s / jnp.sqrt(jnp.max(s) * jnp.min(s))  # keep the scaled weight's range near the original
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "asymmetric"))
+def _awq_error(w, x, act, alpha, fmt, group_size, asymmetric):
+    s = _awq_scale(act, alpha)
+    q = rtn(w * s[:, None], fmt, group_size=group_size, asymmetric=asymmetric)
+    return jnp.sum((x @ w - (x / s) @ q.dequantize(jnp.float32)) ** 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPTQ.
+# ---------------------------------------------------------------------------------------------------------
+def _inverse_hessian_cholesky(x_tk, damp: float) -> jax.Array:
+    """Upper Cholesky factor U of H^-1 (H = 2 x^T x + damp * mean diag), H^-1 = U^T U."""
+    h = 2.0 * x_tk.T @ x_tk
+    k = h.shape[0]
+    dead = jnp.diag(h) == 0  # inputs never seen: any value of their rows is as good
+    h = h + jnp.diag(jnp.where(dead, 1.0, 0.0))
+    h = h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(k)
+    h_inv = jnp.linalg.inv(h)
+    h_inv = (h_inv + h_inv.T) / 2
+    return jnp.linalg.cholesky(h_inv).T
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "asymmetric"))
+def _gptq_loop(w, u, fixed_scales, *, fmt, group_size, asymmetric):
+    """Quantises rows 0..K-1 in order; returns (dequantised-code matrix, codes, group scales, group zeros)."""
+    k, n = w.shape
+    g = group_size if fmt == "int4" else k
+    groups = k // g
+
+    def row_params(w_cur, i):
+        if fmt != "int4":
+            return fixed_scales, None
+        rows = jax.lax.dynamic_slice_in_dim(w_cur, (i // g) * g, g, axis=0)
+        s, z = int4_group_params(rows, g, asymmetric)
+        return s[0], (None if z is None else z[0])
+
+    def body(i, carry):
+        w_cur, codes, scales, zeros = carry
+        fresh_s, fresh_z = row_params(w_cur, i)
+        grp = i // g
+        start = i % g == 0  # int4: a group's scale is fixed from the rows as they stand when it begins
+        s = jnp.where(start, fresh_s, scales[grp]) if fmt == "int4" else fixed_scales
+        scales = scales.at[grp].set(s)
+        if asymmetric:
+            z = jnp.where(start, fresh_z, zeros[grp])
+            zeros = zeros.at[grp].set(z)
+        row = w_cur[i]
+        if fmt == "int4":
+            zp = zeros[grp] if asymmetric else 8.0
+            code = jnp.clip(jnp.round(row / s) + zp, 0, 15)
+            deq = (code - zp) * s
+        else:
+            code = jnp.clip(jnp.round(row / s), -127, 127)
+            deq = code * s
+        err = (row - deq) / u[i, i]  # [N]
+        later = (jnp.arange(k) > i)[:, None]
+        w_cur = w_cur - jnp.where(later, u[i][:, None] * err[None, :], 0.0)
+        w_cur = w_cur.at[i].set(deq)
+        return w_cur, codes.at[i].set(code), scales, zeros
+
+    init = (
+        w,
+        jnp.zeros((k, n), jnp.float32),
+        jnp.ones((groups, n), jnp.float32),
+        jnp.zeros((groups, n), jnp.float32),
+    )
+    return jax.lax.fori_loop(0, k, body, init)
+
+
+def gptq(w_kn, x_tk, *, fmt: str = "int4", group_size: int = 128, asymmetric: bool = True, damp: float = 0.01):
+    """GPTQ (Frantar et al. 2022) without blocking or reordering: int4 per group or int8 per channel.
+
+    Rows (input channels) are quantised in order; the rounding error of row i is compensated on rows > i by
+    w[j] -= U[i, j] / U[i, i] * err, with U the upper Cholesky factor of the inverse Hessian of the inputs.
+    """
+    if fmt not in ("int4", "int8"):
+        raise ValueError(f"gptq: fmt must be int4 or int8, got {fmt!r}")
+    w = jnp.asarray(w_kn, jnp.float32)
+    if fmt == "int4" and w.shape[0] % group_size:
+        raise ValueError(f"gptq: K={w.shape[0]} is not a multiple of group_size={group_size}")
+    asymmetric = asymmetric and fmt == "int4"  # int8 is symmetric per channel
+    u = _inverse_hessian_cholesky(jnp.asarray(x_tk, jnp.float32), damp)
+    fixed = _safe(jnp.max(jnp.abs(w), axis=0) / 127.0)
+    _, codes, scales, zeros = _gptq_loop(w, u, fixed, fmt=fmt, group_size=group_size, asymmetric=asymmetric)
+    if fmt == "int8":
+        return QuantizedArray(codes.astype(jnp.int8), fixed, fmt="int8")
+    return QuantizedArray(pack_int4(codes), scales, zeros if asymmetric else None, fmt="int4", group_size=group_size)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# W8A8: SmoothQuant int8 and fp8.
+# ---------------------------------------------------------------------------------------------------------
+def smoothquant(w_kn, x_tk, *, alpha: float = 0.5):
+    """SmoothQuant W8A8 int8: s = max|x_k|^alpha / max|w_k|^(1 - alpha); stores int8 diag(s) w per output channel,
+    pre_scale = 1 / s, and int8 activations quantised per token."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"smoothquant: alpha must lie in [0, 1], got {alpha}")
+    w = jnp.asarray(w_kn, jnp.float32)
+    a_max = jnp.maximum(jnp.max(jnp.abs(jnp.asarray(x_tk, jnp.float32)), axis=0), TINY)
+    w_max = jnp.maximum(jnp.max(jnp.abs(w), axis=1), TINY)
+    s = _safe(a_max**alpha / w_max ** (1.0 - alpha))
+    q = rtn(w * s[:, None], "int8")
+    return QuantizedArray(q.values, q.scales, fmt="int8", pre_scale=1.0 / s, act_fmt="int8")
+
+
+def fp8_w8a8(w_kn, x_tk=None, *, static: bool = False):
+    """W8A8 fp8: e4m3 weights per channel; activations per token (dynamic) or, with `static`, one per-tensor scale
+    calibrated as max|x| / 448 on the calibration inputs x."""
+    q = rtn(w_kn, "fp8")
+    act_scale = None
+    if static:
+        if x_tk is None:
+            raise ValueError("fp8_w8a8: static activation scales need calibration inputs x_tk")
+        act_scale = _safe(jnp.max(jnp.abs(jnp.asarray(x_tk, jnp.float32))) / ACT_MAX["fp8"])
+    return QuantizedArray(q.values, q.scales, fmt="fp8", act_scale=act_scale, act_fmt="fp8")
