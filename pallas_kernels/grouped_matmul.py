@@ -118,33 +118,11 @@ def _kernel(num_tiles_gmem, meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, cfg: Gro
     # lhs_gmem:       [M, K] bf16/f16, rows sorted by group
     # rhs_gmem:       [G, K, N]
     # out_gmem:       [M, N]
-    k = lhs_gmem.shape[1]
     n = out_gmem.shape[1]
-    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    tm, tn = cfg.tile_m, cfg.tile_n
     cta_n = COMPUTE_WGS * tn
     grid_n = n // cta_n
-    swizzle = plgpu.find_swizzle(tk * jnp.dtype(lhs_gmem.dtype).itemsize * 8)
-    swizzle_elems = swizzle // jnp.dtype(lhs_gmem.dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
-
-    def pipeline(body, compute_context, block, col_block):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k // tk,),
-            memory_registers=MEMORY_REGISTERS,
-            in_specs=[
-                plgpu.BlockSpec(
-                    (tm, tk), lambda kk: (block, kk), transforms=transforms, delay_release=cfg.delay_release
-                ),
-                plgpu.BlockSpec(
-                    (tk, cta_n), lambda kk: (kk, col_block), transforms=transforms, delay_release=cfg.delay_release
-                ),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=COMPUTE_WGS,
-            max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=compute_context,
-        )
+    pipeline = functools.partial(_k_pipeline, cfg, lhs_gmem.shape[1], lhs_gmem.dtype)
 
     def ignore(*_, **__):
         return None
@@ -193,6 +171,32 @@ def _kernel(num_tiles_gmem, meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, cfg: Gro
                 store(jnp.zeros((tm, tn), out_gmem.dtype))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _k_pipeline(cfg, k, dtype, body, compute_context, block, col_block):
+    """The warp-specialised K loop of one work item: A = lhs rows of `block`, B = columns `col_block` of rhs[g]."""
+    swizzle = plgpu.find_swizzle(cfg.tile_k * jnp.dtype(dtype).itemsize * 8)
+    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+    a_spec = plgpu.BlockSpec(
+        (cfg.tile_m, cfg.tile_k), lambda kk: (block, kk), transforms=transforms, delay_release=cfg.delay_release
+    )
+    b_spec = plgpu.BlockSpec(
+        (cfg.tile_k, COMPUTE_WGS * cfg.tile_n),
+        lambda kk: (kk, col_block),
+        transforms=transforms,
+        delay_release=cfg.delay_release,
+    )
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k // cfg.tile_k,),
+        memory_registers=MEMORY_REGISTERS,
+        in_specs=[a_spec, b_spec],
+        wg_axis="wg",
+        num_compute_wgs=COMPUTE_WGS,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
 
 
 def _store_rows(out_smem, out_gmem, cfg, row0, lo, size, col0, tile):
