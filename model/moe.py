@@ -86,14 +86,25 @@ class MoEMLP(nnx.Module):
             self.shared_w_up = _param((d, fs), dtype, rngs, d)
             self.shared_w_down = _param((fs, d), dtype, rngs, fs)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """y [..., D] and tokens_per_expert [E] int32 for x [..., D].
+
+        `valid` [...] bool (optional) marks real tokens: padding rows of a bucketed batch are still computed
+        (dispatch is dropless and shape-static) but left out of the statistics, which then sum to valid * k.
+        """
         lead, d = x.shape[:-1], x.shape[-1]
         x_td = x.reshape(-1, d)
         logits_te = matmul(x_td, self.w_router.get_value(), out_dtype=jnp.float32)
         weights_tk, experts_tk = route(logits_te, self.top_k, self.renormalize)
-        y_td, tokens_per_expert = self._experts(x_td, weights_tk, experts_tk)
+        y_td, group_sizes = self._experts(x_td, weights_tk, experts_tk)
         if self.has_shared:
             y_td = y_td + self._shared(x_td)
+        if valid is None:
+            tokens_per_expert = group_sizes
+        else:
+            mask_tk = jnp.broadcast_to(valid.reshape(-1, 1), experts_tk.shape)
+            counts = jnp.zeros((self.num_experts,), jnp.int32)
+            tokens_per_expert = counts.at[experts_tk.reshape(-1)].add(mask_tk.reshape(-1).astype(jnp.int32))
         return y_td.astype(x.dtype).reshape(*lead, d), tokens_per_expert
 
     def _experts(self, x_td, weights_tk, experts_tk):

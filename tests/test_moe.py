@@ -98,6 +98,19 @@ def test_jitted_block_and_skewed_routing_statistics():
     np.testing.assert_allclose(np.asarray(y).reshape(ref_y.shape), ref_y, rtol=1e-4, atol=1e-5)
 
 
+def test_statistics_skip_padding_rows():
+    cfg = ModelConfig.tiny_moe()
+    block = moe.MoEMLP(cfg, jnp.float32, nnx.Rngs(params=7))
+    x = jax.random.normal(jax.random.key(4), (2, 6, cfg.hidden_size), jnp.float32)
+    valid = jnp.asarray([[True] * 6, [True] * 2 + [False] * 4])
+    y, counts = block(x, valid)
+    y_all, counts_all = block(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_all))  # padding changes no output
+    _, ref_counts = _per_token_reference(block, np.asarray(x)[np.asarray(valid)], cfg)
+    np.testing.assert_array_equal(np.asarray(counts), ref_counts)
+    assert int(counts.sum()) == 8 * cfg.num_experts_per_tok and int(counts_all.sum()) == 12 * cfg.num_experts_per_tok
+
+
 def test_bf16_block_close_to_f32():
     cfg = ModelConfig.tiny_moe()
     block32 = moe.MoEMLP(cfg, jnp.float32, nnx.Rngs(params=4))
