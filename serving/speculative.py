@@ -114,6 +114,7 @@ def rejection_sample(
     keys = _as_row_keys(key, b)
     target_probs = target_probs.astype(jnp.float32)
     draft_tokens = draft_tokens.astype(jnp.int32)
+    num_draft = jnp.clip(num_draft.astype(jnp.int32), 0, k)  # values are not checkable under jit: clamp
     rows = jnp.arange(b)
 
     u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 1), (k,), jnp.float32))(keys)  # [B, k]
