@@ -272,7 +272,8 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
 class EngineConfig:
     """Everything the engine is built from. Build it with `from_kwargs` (flat names) or from the sections.
 
-    Flat names read through: `config.max_num_seqs` is `config.scheduler.max_num_seqs`.
+    Flat names read through: `config.max_num_seqs` is `config.scheduler.max_num_seqs`; `model` and
+    `quantization` name sections (their flat values are `config.model.model` and `config.quantization.method`).
     """
 
     model: ModelOptions = dataclasses.field(default_factory=ModelOptions)

@@ -8,6 +8,7 @@ by construction. The drain test stops that server, so it runs last.
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -22,17 +23,23 @@ import openai
 import pytest
 import uvicorn
 
-from serving import server as srv_main
 from serving.api import app as srv
 
 MODEL = srv.DEFAULT_MODEL_NAME
 MAX_MODEL_LEN = 256
-ENGINE_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, attention_backend="xla", decode_steps=1)
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pallas-serve", "xla-tests")
+ENGINE_OPTIONS = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    attention_backend="xla",
+    decode_steps=1,
+    warmup=True,  # every bucket compiled up front, as the binary does (it then hits the persistent cache)
+    compilation_cache_dir=CACHE_DIR,
+)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three primary colours are"]
 CHAT = "Name a colour."
 MAX_TOKENS = 12
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pallas-serve", "xla-tests")
 
 
 def _free_port() -> int:
@@ -78,7 +85,6 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live():
-    srv_main.enable_compilation_cache(CACHE_DIR)
     from serving.engine.llm import LLM
 
     llm = LLM(max_model_len=MAX_MODEL_LEN, **ENGINE_OPTIONS)
@@ -228,6 +234,33 @@ def test_health_and_models(live):
     assert httpx.get(live.url + "/health").json() == {"status": "ok"}
     models = live.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+def test_health_polls_stay_out_of_the_access_log():
+    srv.quiet_health_checks()
+    access = logging.getLogger("uvicorn.access")
+
+    def record(path):
+        args = ("127.0.0.1:5000", "GET", path, "1.1", 200)
+        return access.makeRecord(access.name, logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', args, None)
+
+    level = access.level
+    try:
+        access.setLevel(logging.INFO)
+        assert not access.filter(record("/health")) and not access.filter(record("/health?probe=1"))
+        assert access.filter(record("/v1/models")) and access.filter(record("/metrics"))
+        access.setLevel(logging.DEBUG)
+        assert access.filter(record("/health"))
+    finally:
+        access.setLevel(level)
+
+
+def test_engine_totals_are_prometheus_counters(live):
+    live.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    text = httpx.get(live.url + "/metrics", timeout=30).text
+    for name in ("preemptions", "engine_steps", "engine_step_failures"):
+        assert re.search(rf"^# TYPE pallas_serve_{name}(_total)? counter$", text, re.M), name
+    assert live.metrics()["pallas_serve_engine_steps_total"] > 0
 
 
 def test_completions_match_llm_generate(live):
@@ -514,6 +547,7 @@ def test_64_concurrent_streaming_clients(live):
     refs = dict(zip(PROMPTS, live.ref))
     for prompt, text, finish, done in results:
         assert done and finish in ("stop", "length")
+        assert text, prompt  # (an empty stream would pass the prefix check below)
         assert refs[prompt].text.startswith(text)  # greedy: a prefix of the 12-token reference
     live.wait_idle()
 
@@ -537,7 +571,7 @@ def test_engine_error_fails_requests_then_recovers(live):
     live.wait_idle()
     out = live.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
     assert out.choices[0].text == live.ref[0].text
-    assert live.metrics()["pallas_serve_engine_step_failures"] == 2
+    assert live.metrics()["pallas_serve_engine_step_failures_total"] == 2
 
 
 def test_binary_serves_with_api_key_and_exits_0_on_sigterm(live, tmp_path):
