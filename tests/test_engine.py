@@ -176,20 +176,37 @@ def test_decode_loop_runs_while_requests_wait_for_a_slot(engine, reference):
     engine.config = saved.replace(max_num_seqs=4)
     try:
         loops_while_waiting = []
-        original = engine._run_decode_loop
+        original = engine.loops.launch
 
         def spy(out, limits):
             loops_while_waiting.append(sched.num_waiting)
             return original(out, limits)
 
-        engine._run_decode_loop = spy
+        engine.loops.launch = spy
         prompts, max_tokens = MIXED_PROMPTS[:6], MIXED_MAX_TOKENS[:6]
         tracks = run(engine, [(p, greedy(m)) for p, m in zip(prompts, max_tokens)])
     finally:
         engine.config = saved
-        del engine._run_decode_loop
+        del engine.loops.launch
     assert_matches_reference(tracks, prompts, max_tokens, reference)
     assert any(n > 0 for n in loops_while_waiting), loops_while_waiting
+
+
+def test_async_scheduling_is_exact(engine, reference):
+    """Loops launched before the host applied the previous one (overlap) give the tokens of overlap off."""
+    outputs = {}
+    for overlap in (True, False):
+        use_scheduler(engine, enable_prefix_caching=False)
+        engine.overlap = overlap
+        chained = engine.loops.num_chained
+        try:
+            tracks = run(engine, [(p, greedy(m)) for p, m in zip(MIXED_PROMPTS, MIXED_MAX_TOKENS)])
+        finally:
+            engine.overlap = True
+        assert (engine.loops.num_chained > chained) == overlap  # overlap on: loops were chained
+        outputs[overlap] = [t.request.output_token_ids for t in tracks]
+        assert_matches_reference(tracks, MIXED_PROMPTS, MIXED_MAX_TOKENS, reference)
+    assert outputs[True] == outputs[False]
 
 
 def test_greedy_with_prefix_caching_matches_reference(engine, reference):

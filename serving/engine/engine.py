@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -25,6 +25,7 @@ from model.sampling import SamplingTensors
 from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerOutput
+from serving.engine.decode_loop import DecodeLoops, has_penalties
 from serving.engine.runner import ModelRunner, RowInput, pad_sampling, sample_rows, size_kv_pool
 
 
@@ -85,9 +86,15 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(0)
         self.num_steps = 0
-        self.num_decode_loops = 0
+        self.loops = DecodeLoops(self, _sampling_tensors)
+        self.overlap = c.async_scheduling
+        self._inflight = None  # a decode loop launched but not applied yet
         if c.warmup or (c.warmup is None and jax.default_backend() != "cpu"):
             self.warmup()
+
+    @property
+    def num_decode_loops(self) -> int:
+        return self.loops.num_loops
 
     def warmup(self) -> None:
         """Compiles, before any request, every step bucket, the decode loop and the sampler for every row bucket.
@@ -142,18 +149,26 @@ class LLMEngine:
     # The step ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the model, sample, update the scheduler, and report per-request deltas."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        self.runner.copy_blocks(out.cow_pairs)
-        limits = self._decode_loop_limits(out)
-        computed = None
-        if limits:
-            sampled, logprobs = self._run_decode_loop(out, limits)
-            computed = {rid: len(toks) for rid, toks in sampled.items()}
-        else:
-            sampled, logprobs = self._run_step(out)
+        """One iteration: schedule, run the model, sample, update the scheduler, and report per-request deltas.
+
+        A decode loop is applied one call late when the next loop for its rows can be launched first (overlap:
+        the device runs loop N+1 while the host applies loop N; serving/engine/decode_loop.py).
+        """
+        if self._inflight is None:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return []
+            self.runner.copy_blocks(out.cow_pairs)
+            limits = self.loops.limits(out)
+            if not limits:
+                return self._apply(out, *self._run_step(out), None)
+            self._inflight = self.loops.launch(out, limits)
+        cur = self._inflight
+        self._inflight = self.loops.chain(cur) if self.overlap else None
+        out, sampled, computed = self.loops.collect(cur)
+        return self._apply(out, sampled, None, computed)
+
+    def _apply(self, out: SchedulerOutput, sampled: dict, logprobs: dict | None, computed: dict | None):
         finished = self.scheduler.update(out, sampled, logprobs, computed)
         self.num_steps += 1
         return self._postprocess(out, sampled, finished)
@@ -188,7 +203,7 @@ class LLMEngine:
         )
         logits = logits[:s] if logits.shape[0] >= s else jax.numpy.pad(logits, ((0, s - logits.shape[0]), (0, 0)))
         st = pad_sampling(_sampling_tensors(reqs), s)
-        penalties = any(_has_penalties(r.sampling_params) for r in reqs)
+        penalties = any(has_penalties(r.sampling_params) for r in reqs)
         out_ids = _pad_ids([r.output_token_ids for r in reqs], s) if penalties else None
         prompt_ids = _pad_ids([r.prompt_token_ids for r in reqs], s) if penalties else None
         banned = _banned(reqs, s)
@@ -196,53 +211,6 @@ class LLMEngine:
         num_lp = 0 if num_lp == 0 else (5 if num_lp <= 5 else 20)
         result = sample_rows(logits, st, out_ids, prompt_ids, banned, num_logprobs=num_lp)
         return [np.asarray(a)[:n] for a in result]
-
-    def _decode_loop_limits(self, out: SchedulerOutput) -> list[int] | None:
-        """Per-row token counts for one multi-step decode loop, or None for a normal step.
-
-        The loop always runs `decode_steps` iterations (one compiled length per decode bucket, so nothing
-        compiles while serving); a row closer than that to max_tokens or max_model_len stops writing KV after
-        its own limit. The loop is used only when some row can take all `decode_steps` tokens, and not while a
-        waiting request could be admitted into a free slot.
-        """
-        k = self.config.decode_steps
-        # Waiting requests need the host only if a slot is free for them; with every slot taken they could not
-        # be admitted before a running request finishes anyway (they then wait at most k - 1 extra steps).
-        slots_full = self.scheduler.num_running >= self.config.max_num_seqs
-        if (
-            k <= 1
-            or (self.scheduler.num_waiting and not slots_full)
-            or len(out.scheduled) > self.runner.decode_buckets[-1]
-        ):
-            return None
-        limits = []
-        for sr in out.scheduled:
-            p, req = sr.request.sampling_params, sr.request
-            if (
-                len(sr.token_ids) != 1
-                or not sr.sample
-                or p.stop
-                or _has_penalties(p)
-                or p.logprobs is not None
-                or req.num_output_tokens < p.min_tokens
-            ):
-                return None
-            limits.append(min(k, p.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens))
-        if max(limits) < k:
-            return None
-        cow: list[tuple[int, int]] = []
-        ok = all(self.scheduler.reserve_lookahead([sr.request], n - 1, cow) for sr, n in zip(out.scheduled, limits))
-        self.runner.copy_blocks(cow)
-        return limits if ok else None
-
-    def _run_decode_loop(self, out: SchedulerOutput, limits: list[int]):
-        k = self.config.decode_steps
-        reqs = [sr.request for sr in out.scheduled]
-        rows = [RowInput(sr.token_ids, sr.start_pos, list(sr.request.block_ids)) for sr in out.scheduled]
-        banned = np.full((k, len(reqs), 1), -1, np.int32)
-        tokens, _ = self.runner.decode_loop(rows, k, _sampling_tensors(reqs), banned, np.asarray(limits, np.int32))
-        self.num_decode_loops += 1
-        return {r.request_id: [int(t) for t in tokens[:n, i]] for i, (r, n) in enumerate(zip(reqs, limits))}, None
 
     # Outputs -------------------------------------------------------------------------------------------------
 
@@ -290,18 +258,6 @@ class LLMEngine:
         return self._finished.pop(request_id, None)
 
     # Convenience ---------------------------------------------------------------------------------------------
-
-    def stream(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
-    ) -> Iterator[RequestOutput]:
-        """Runs the engine until this request finishes, yielding its outputs (other requests progress too)."""
-        rid = self.add_request(prompt_token_ids, params, prompt=prompt)
-        while True:
-            for o in self.step():
-                if o.request_id == rid:
-                    yield o
-                    if o.finished:
-                        return
 
     def generate(
         self, texts: Sequence[str | None], prompts: Sequence[Sequence[int]], progress=None, **sampling
@@ -354,13 +310,11 @@ def _find_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _sampling_tensors(reqs: Sequence[Request]) -> SamplingTensors:
+def _sampling_tensors(reqs: Sequence[Request], ahead: Sequence[int] | int = 0) -> SamplingTensors:
+    """Per-row sampling parameters; `ahead`: tokens each row is past its request's state (a chained loop)."""
+    ahead = [ahead] * len(reqs) if isinstance(ahead, int) else ahead
     rows = []
-    for r in reqs:
+    for r, a in zip(reqs, ahead):
         p = r.sampling_params
         rows.append(
             dict(
@@ -372,7 +326,7 @@ def _sampling_tensors(reqs: Sequence[Request]) -> SamplingTensors:
                 presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty,
                 seed=p.seed % (2**32),
-                step=r.num_output_tokens,
+                step=r.num_output_tokens + a,
             )
         )
     return SamplingTensors.from_rows(rows)

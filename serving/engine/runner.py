@@ -1,25 +1,36 @@
-"""Model runner: scheduled rows -> padded device arrays in fixed buckets -> one jitted model step.
+"""Model runner: scheduled rows -> padded device arrays in fixed buckets -> one compiled model step.
 
-    rows (token ids, start position, block table, sample?)            host, per step
-      -> tokens [T], positions [T], slot_mapping [T]                   T from TOKEN_BUCKETS
-         block_tables [S, max_blocks], kv_lens [S], cu_q_lens [S+1]    S = max_num_seqs (fixed)
-         logits_index [S]                                               last token of each row
-      -> step(params, kv_pages, ...) -> logits [S, V], kv_pages        compiled ahead, KV donated
+    rows (token ids, start position, block table, num_logits)         host, per step
+      -> tokens [T], positions [T], slot_mapping [T]                   T from token_buckets
+         block_tables [S, W], kv_lens [S], cu_q_lens [S+1]             S = max_num_seqs (decode: a row bucket)
+         logits_index [L]                                               each row's last num_logits tokens
+      -> step(params, kv_pages, ...) -> logits [L, V], kv_pages        compiled ahead, KV donated
       -> sample(logits, SamplingTensors, ...)                           small jitted sampler
 
 A pure-decode batch uses the paged decode kernel (T = S bucket, one token per row); anything else the ragged
-kernel. `decode_loop` runs N decode steps (model + sampling) inside one `lax.fori_loop` per host round trip,
-for when no request needs the host between tokens.
+kernel. A verify row (speculative decoding: the last token plus k drafts) is a ragged row of k + 1 tokens whose
+logits come back at every one of them (num_logits = k + 1); L is S unless some row asks for more, then the
+smallest logit bucket holding them. `decode_loop` runs N decode steps (model + sampling) inside one
+`lax.fori_loop` per host round trip; its input tokens may come straight from the previous loop's device output
+(`chain`), so the host can schedule and postprocess one loop while the next runs.
 
-Executables are compiled ahead of time by `warmup()` and kept in a dict keyed by bucket; `num_compiles` counts
-compilations so tests can check that nothing compiles while serving.
+Placement: the runner holds a `jax.sharding.Mesh` (one device is a mesh of one, the same code path); parameters
+and KV pages are put with the NamedShardings of sharding/rules.py, and every compiled step keeps them there.
+
+Executables are compiled ahead of time by `warmup()` (lowered one by one, compiled in parallel threads) and kept
+in a dict keyed by bucket; `num_compiles` counts compilations so tests can check that nothing compiles while
+serving.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
-from collections.abc import Sequence
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +40,12 @@ from flax import nnx
 from model.kv import PagedMeta, init_paged_cache
 from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
+from model.transformer import _param_slots as param_slots
 from pallas_kernels.backend import resolve_backend
+from sharding.mesh import ParallelConfig, make_mesh
+from sharding.rules import kv_cache_sharding, param_shardings
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +55,21 @@ class RowInput:
     token_ids: Sequence[int]  # tokens to compute, at positions start .. start + len - 1
     start: int
     block_table: Sequence[int]
+    num_logits: int = 1  # logits at the last num_logits tokens (a verify row of k drafts: k + 1, all of them)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopHandle:
+    """A dispatched decode loop whose results may still be on their way (nothing here forces a sync)."""
+
+    tokens: jax.Array  # [num_steps, S] int32, device
+    logprobs: jax.Array  # [num_steps, S] float32, device
+    num_rows: int
+    limits: np.ndarray  # [num_rows] tokens each row computes
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [num_steps, num_rows], logprobs [num_steps, num_rows]) on the host (waits for the device)."""
+        return np.asarray(self.tokens)[:, : self.num_rows], np.asarray(self.logprobs)[:, : self.num_rows]
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -54,21 +85,36 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * jnp.dtype(dtype).itemsize
 
 
+def _host_free_bytes() -> int | None:
+    """MemAvailable of this host (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def size_kv_pool(model: Transformer, block_size: int, dtype, memory_fraction: float, max_blocks: int) -> int:
-    """Blocks that fit in `memory_fraction` of the device memory left after loading (GPU); CPU: `max_blocks`."""
+    """Blocks that fit in `memory_fraction` of the memory left after loading, at most `max_blocks` (what the
+    engine's limits can ever use). Accelerators: the device's free memory; a CPU host: the host's available
+    memory (the KV pool lives in host RAM there)."""
     stats = jax.devices()[0].memory_stats() or {}
     limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
-    if not limit:
+    free = (limit - used) if limit else _host_free_bytes()
+    if free is None:
         return max_blocks
-    free = (limit - used) * memory_fraction
-    return max(2, int(free // kv_bytes_per_block(model, block_size, dtype)))
+    fit = int(free * memory_fraction // kv_bytes_per_block(model, block_size, dtype))
+    return max(2, min(max_blocks, fit) if not limit else fit)
 
 
 class ModelRunner:
     """Owns the parameters, the paged KV cache and the compiled steps.
 
     Args:
-      model: the decoder (its parameters are split out and passed to the compiled steps).
+      model: the decoder (its parameters are split out, placed on `mesh` and passed to the compiled steps).
       num_blocks: KV pages in the pool (page 0 is the null page that padding writes to).
       block_size: tokens per page.
       max_num_seqs: S, rows per step.
@@ -76,6 +122,8 @@ class ModelRunner:
       max_model_len: longest sequence (sets max_blocks per row).
       attention_backend: kernel backend (None = fastest on the device, "xla" = reference).
       kv_dtype: KV page dtype (default the model's dtype).
+      mesh: where parameters and KV pages live (default: a mesh of the first device).
+      max_logits_per_row: the most logits one row may ask for (1 + the most draft tokens of a verify row).
     """
 
     def __init__(
@@ -89,27 +137,46 @@ class ModelRunner:
         max_model_len: int,
         attention_backend: str | None = None,
         kv_dtype=None,
+        mesh: jax.sharding.Mesh | None = None,
+        max_logits_per_row: int = 1,
     ):
         self.cfg = model.cfg
-        self.graphdef, self.params = nnx.split(model)
+        self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), devices=jax.devices()[:1])
+        self.graphdef, self.params = nnx.split(self._place(model))
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks = -(-max_model_len // block_size)
         self.backend = attention_backend
         self.token_buckets = _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.decode_buckets = _pow2_buckets(1, max_num_seqs)
+        self.max_logits_per_row = max_logits_per_row
         # The Pallas kernels walk only each row's live pages, so one table width (max_blocks) serves every step.
         # The XLA reference and the interpreter gather whole table rows, so there the width is bucketed too:
         # a short-context batch then never pays for max_model_len.
         gathers = resolve_backend(attention_backend, "ragged_paged_attention") in ("xla", "interpret")
         self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
         self.kv_dtype = kv_dtype or model.dtype
-        self.kv_cache = init_paged_cache(
+        cache = init_paged_cache(
             self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim, self.kv_dtype
         )
+        self.kv_cache = [tuple(jax.device_put(a, kv_cache_sharding(a.shape, self.mesh)) for a in kv) for kv in cache]
         self.num_blocks = num_blocks
         self._compiled: dict[tuple, object] = {}
         self.num_compiles = 0
+
+    def _place(self, model: Transformer) -> Transformer:
+        """Puts every parameter on the mesh with its NamedSharding from sharding/rules.py (in place)."""
+        slots = param_slots(model)
+        shardings = param_shardings({n: s[...] for n, s in slots.items()}, self.mesh, head_dim=self.cfg.head_dim)
+        for name, slot in slots.items():
+            slot[...] = jax.device_put(slot[...], shardings[name])
+        return model
+
+    @property
+    def logit_buckets(self) -> tuple[int, ...]:
+        """L values of the compiled steps: S, then doubling up to S * max_logits_per_row."""
+        s = self.max_num_seqs
+        return _pow2_buckets(s, s * self.max_logits_per_row)
 
     # Compilation ---------------------------------------------------------------------------------------------
 
@@ -158,24 +225,66 @@ class ModelRunner:
             self.num_compiles += 1
         return exe
 
-    def _step_args(self, t: int, s: int, w: int):
+    def _step_args(self, t: int, s: int, w: int, n_logits: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        return (i32(t), i32(t), i32(t), i32(s, w), i32(s), i32(s + 1), i32(), i32(s))
+        return (self.params, self.kv_cache, i32(t), i32(t), i32(t), i32(s, w), i32(s), i32(s + 1), i32(), i32(n_logits))
 
-    def warmup(self, decode_loop_steps: Sequence[int] = ()) -> int:
-        """Compiles every bucket ahead of serving; returns how many executables exist."""
+    def _loop_args(self, num_steps: int, s: int, w: int):
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        st = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), SamplingTensors.from_rows([{}] * s))
+        banned = i32(num_steps, s, self._max_banned)
+        return (self.params, self.kv_cache, i32(s), i32(s), i32(s, w), i32(s), st, banned)
+
+    def warmup_plan(self, decode_loop_steps: Sequence[int] = ()) -> list[tuple[tuple, Callable, tuple]]:
+        """(key, build, abstract args) of every executable serving can ask for."""
+        plan = []
         for w in self.width_buckets:
             for t in self.token_buckets:
-                self._get_step(t, self.max_num_seqs, w, decode_only=False)
+                for n_logits in self.logit_buckets:
+                    key = ("step", t, self.max_num_seqs, w, False, n_logits)
+                    plan.append(
+                        (
+                            key,
+                            functools.partial(self._step_fn, False),
+                            self._step_args(t, self.max_num_seqs, w, n_logits),
+                        )
+                    )
             for s in self.decode_buckets:
-                self._get_step(s, s, w, decode_only=True)
+                plan.append(
+                    (("step", s, s, w, True, s), functools.partial(self._step_fn, True), self._step_args(s, s, w, s))
+                )
                 for n in decode_loop_steps:
-                    self._get_loop(n, s, w)
+                    plan.append((("loop", n, s, w), functools.partial(self._loop_fn, n), self._loop_args(n, s, w)))
+        return plan
+
+    def warmup(
+        self,
+        decode_loop_steps: Sequence[int] = (),
+        progress: Callable[[int, int], None] | None = None,
+        threads: int | None = None,
+    ) -> int:
+        """Compiles every bucket ahead of serving; returns how many executables exist.
+
+        Lowering (Python, holds the GIL) runs one by one; XLA compilation runs in `threads` parallel threads
+        (default: half the host's cores, at least 1). progress(done, total) is called after each compilation.
+        """
+        todo = [(k, b, a) for k, b, a in self.warmup_plan(decode_loop_steps) if k not in self._compiled]
+        threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        t0, done = time.perf_counter(), 0
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = {pool.submit(build().lower(*args).compile): key for key, build, args in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                self._compiled[futures[fut]] = fut.result()
+                self.num_compiles += 1
+                done += 1
+                if progress is not None:
+                    progress(done, len(todo))
+        log.info("compiled %d executables in %.1f s (%d threads)", len(todo), time.perf_counter() - t0, threads)
         return len(self._compiled)
 
-    def _get_step(self, t: int, s: int, w: int, decode_only: bool):
-        args = (self.params, self.kv_cache) + self._step_args(t, s, w)
-        return self._executable(("step", t, s, w, decode_only), lambda: self._step_fn(decode_only), args)
+    def _get_step(self, t: int, s: int, w: int, decode_only: bool, n_logits: int):
+        key = ("step", t, s, w, decode_only, n_logits)
+        return self._executable(key, lambda: self._step_fn(decode_only), self._step_args(t, s, w, n_logits))
 
     def _width(self, tables: Sequence[Sequence[int]]) -> int:
         """Smallest table-width bucket holding every row's block table."""
@@ -183,32 +292,34 @@ class ModelRunner:
         return next(w for w in self.width_buckets if w >= need)
 
     def _get_loop(self, num_steps: int, s: int, w: int):
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        st = SamplingTensors.from_rows([{}] * s)
-        st = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), st)
-        args = (self.params, self.kv_cache, i32(s), i32(s), i32(s, w), i32(s), st, i32(num_steps, s, self._max_banned))
-        return self._executable(("loop", num_steps, s, w), lambda: self._loop_fn(num_steps), args)
+        return self._executable(
+            ("loop", num_steps, s, w), lambda: self._loop_fn(num_steps), self._loop_args(num_steps, s, w)
+        )
 
     _max_banned = 8
 
     # Execution -----------------------------------------------------------------------------------------------
 
-    def bucket(self, rows: Sequence[RowInput]) -> tuple[int, int, bool]:
-        """(T, S, decode_only) bucket for a batch of rows."""
+    def bucket(self, rows: Sequence[RowInput]) -> tuple[int, int, bool, int]:
+        """(T, S, decode_only, L) bucket for a batch of rows."""
         n_tok = sum(len(r.token_ids) for r in rows)
         if all(len(r.token_ids) == 1 for r in rows):
             s = next(b for b in self.decode_buckets if b >= len(rows))
-            return s, s, True
+            return s, s, True, s
         t = next((b for b in self.token_buckets if b >= n_tok), None)
         if t is None:
             raise ValueError(f"{n_tok} tokens exceed max_num_batched_tokens {self.token_buckets[-1]}")
-        return t, self.max_num_seqs, False
+        n_logits = sum(r.num_logits for r in rows)
+        lb = next((b for b in self.logit_buckets if b >= n_logits), None)
+        if lb is None:
+            raise ValueError(f"{n_logits} logits exceed the runner's {self.logit_buckets[-1]} (max_logits_per_row)")
+        return t, self.max_num_seqs, False, lb
 
-    def prepare(self, rows: Sequence[RowInput]) -> tuple[tuple, tuple[int, int, int, bool]]:
+    def prepare(self, rows: Sequence[RowInput]) -> tuple[tuple, tuple[int, int, int, bool, int]]:
         """Padded host arrays for `rows` (see the module docstring)."""
         if not rows or len(rows) > self.max_num_seqs:
             raise ValueError(f"a step needs 1..{self.max_num_seqs} rows, got {len(rows)}")
-        t, s, decode_only = self.bucket(rows)
+        t, s, decode_only, n_logits = self.bucket(rows)
         w = self._width([r.block_table for r in rows])
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -216,10 +327,12 @@ class ModelRunner:
         tables = np.zeros((s, w), np.int32)
         kv_lens = np.zeros(s, np.int32)
         cu = np.zeros(s + 1, np.int32)
-        logits_idx = np.zeros(s, np.int32)
-        off = 0
+        logits_idx = np.zeros(n_logits, np.int32)
+        off = n_out = 0
         for i, r in enumerate(rows):
             n = len(r.token_ids)
+            if not 1 <= r.num_logits <= n:
+                raise ValueError(f"row {i}: num_logits {r.num_logits} must be in 1..{n} (its tokens)")
             pos = np.arange(r.start, r.start + n)
             table = np.asarray(r.block_table, np.int32)
             if len(table) * self.block_size < r.start + n:
@@ -231,15 +344,17 @@ class ModelRunner:
             kv_lens[i] = r.start + n
             off += n
             cu[i + 1] = off
-            logits_idx[i] = off - 1
+            logits_idx[n_out : n_out + r.num_logits] = np.arange(off - r.num_logits, off)
+            n_out += r.num_logits
         cu[len(rows) + 1 :] = off
         arrays = (tokens, positions, slots, tables, kv_lens, cu, np.int32(len(rows)), logits_idx)
-        return arrays, (t, s, w, decode_only)
+        return arrays, (t, s, w, decode_only, n_logits)
 
     def forward(self, rows: Sequence[RowInput]) -> jax.Array:
-        """Runs one step; returns float32 logits [S, V] at each row's last token (rows beyond len(rows): junk)."""
-        arrays, (t, s, w, decode_only) = self.prepare(rows)
-        exe = self._get_step(t, s, w, decode_only)
+        """Runs one step; returns float32 logits [L, V]: row i's num_logits rows first after those of rows < i
+        (rows past the sum of num_logits: junk)."""
+        arrays, (t, s, w, decode_only, n_logits) = self.prepare(rows)
+        exe = self._get_step(t, s, w, decode_only, n_logits)
         logits, self.kv_cache = exe(self.params, self.kv_cache, *arrays)
         return logits
 
@@ -250,11 +365,14 @@ class ModelRunner:
         st: SamplingTensors,
         banned: np.ndarray,
         limits: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """`num_steps` decode steps on device; row i computes limits[i] (default num_steps) of them and its table
-        must cover start + limits[i] positions. Tokens past a row's limit are junk.
+        chain: tuple[LoopHandle, Sequence[int]] | None = None,
+    ) -> LoopHandle:
+        """Dispatches `num_steps` decode steps on device without waiting for them; row i computes limits[i]
+        (default num_steps) of them and its table must cover start + limits[i] positions. Tokens past a row's
+        limit are junk.
 
-        Returns (tokens [num_steps, len(rows)], logprobs [num_steps, len(rows)]).
+        chain: (previous loop, index of each row in it, or -1): such a row's input token is the last token that
+        loop produced for it (still on the device), not rows[i].token_ids[0].
         """
         s = next(b for b in self.decode_buckets if b >= len(rows))
         w = self._width([r.block_table for r in rows])
@@ -269,11 +387,18 @@ class ModelRunner:
         st = pad_sampling(st, s)
         banned_full = np.full((num_steps, s, self._max_banned), -1, np.int32)
         banned_full[:, : len(rows), : banned.shape[-1]] = banned[:, :, : self._max_banned]
+        tokens_in = tokens
+        if chain is not None:
+            prev, index = chain
+            idx = np.full(s, -1, np.int32)
+            idx[: len(index)] = index
+            last = np.where(idx >= 0, prev.limits[np.maximum(idx, 0)] - 1, 0).astype(np.int32)
+            tokens_in = _chain_tokens(prev.tokens, jnp.asarray(idx), jnp.asarray(last), tokens)
         exe = self._get_loop(num_steps, s, w)
         out_tok, out_lp, self.kv_cache = exe(
-            self.params, self.kv_cache, tokens, positions, tables, row_limits, st, banned_full
+            self.params, self.kv_cache, tokens_in, positions, tables, row_limits, st, banned_full
         )
-        return np.asarray(out_tok)[:, : len(rows)], np.asarray(out_lp)[:, : len(rows)]
+        return LoopHandle(out_tok, out_lp, len(rows), row_limits[: len(rows)].copy())
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: page dst := page src in every layer."""
@@ -284,6 +409,13 @@ class ModelRunner:
         src = jnp.asarray([p[0] for p in pairs] + [0] * (n - len(pairs)), jnp.int32)
         dst = jnp.asarray([p[1] for p in pairs] + [0] * (n - len(pairs)), jnp.int32)
         self.kv_cache = _copy_pages(self.kv_cache, src, dst)
+
+
+@jax.jit
+def _chain_tokens(prev_tokens, index, last, host_tokens):
+    """Input tokens of a chained loop: row i takes prev_tokens[last[i], index[i]] where index[i] >= 0."""
+    picked = prev_tokens[last, jnp.maximum(index, 0)]
+    return jnp.where(index >= 0, picked, host_tokens)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
