@@ -2,7 +2,7 @@
 (1 - a^(k+1)) / (1 - a). CPU; a few minutes.
 
     PYTHONPATH=. python benchmarks/spec_acceptance.py --max_tokens 128 \
-        --out benchmarks/results/spec_acceptance_ngram_smollm2.json
+        --out benchmarks/results/spec_acceptance_ngram_smollm2.json      # and the .png beside it
 
 Greedy generation with `LLM(...).generate(..., temperature=0)` on text not written here (code: Python
 standard-library sources; prose: the licence texts under /usr/share/common-licenses; copy-heavy: chat prompts that
@@ -110,6 +110,29 @@ def sweep(proposer, prompt_ids, generated, ks) -> list[dict]:
     return rows
 
 
+def plot(result: dict, path: str) -> None:
+    """Emitted tokens per pass against k per domain: measured, and the formula at the measured acceptance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (domain, d) in enumerate(result["domains"].items()):
+        ks = [r["k"] for r in d["sweep"]]
+        color = f"C{i}"
+        ax.plot(ks, [r["emitted_per_pass"] for r in d["sweep"]], "o-", color=color, label=f"{domain}: measured")
+        ax.plot(ks, [r["formula_all_passes"] for r in d["sweep"]], "--", color=color, label=f"{domain}: E(a, k)")
+        ax.plot(ks, [r["formula_mixed"] for r in d["sweep"]], ":", color=color, label=f"{domain}: (1-r) + r E(a, k)")
+    ax.set_xlabel("k (draft tokens per pass)")
+    ax.set_ylabel("tokens emitted per target pass")
+    ax.set_title(f"n-gram proposer on {result['model'].split(' ')[0]}, greedy")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max_tokens", type=int, default=128)
@@ -118,7 +141,12 @@ def main():
     ap.add_argument("--min_n", type=int, default=1)
     ap.add_argument("--max_k", type=int, default=7)
     ap.add_argument("--out", default="benchmarks/results/spec_acceptance_ngram_smollm2.json")
+    ap.add_argument("--plot_only", action="store_true", help="redraw the PNG from an existing --out JSON")
     args = ap.parse_args()
+    png = os.path.splitext(args.out)[0] + ".png"
+    if args.plot_only:
+        plot(json.load(open(args.out)), png)
+        return
 
     from serving import LLM
 
@@ -169,7 +197,8 @@ def main():
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    plot(result, png)
+    print(f"wrote {args.out} and {png}")
 
 
 if __name__ == "__main__":
