@@ -225,3 +225,39 @@ def test_orbax_checkpoint_is_read_lazily(tmp_path):
     assert ckpt.params.reads == len(params)
     for name, value in model_params(model).items():
         np.testing.assert_array_equal(np.asarray(value), params[name].astype(jnp.bfloat16), err_msg=name)
+
+
+def test_hf_checkpoint_is_read_lazily(tmp_path):
+    import json
+
+    from safetensors.numpy import save_file
+
+    from checkpoints import hf
+    from checkpoints.loader import load_checkpoint
+
+    cfg = ModelConfig.tiny()
+    params = host_params(cfg, seed=7)
+    to_hf = {canon: (name, t) for name, (canon, t) in hf._GLOBAL_TENSORS.items()}
+    for i in range(cfg.num_layers):
+        to_hf.update({f"layers.{i}.{c}": (f"model.layers.{i}.{n}", t) for n, (c, t) in hf._LAYER_TENSORS.items()})
+    save_file(
+        {to_hf[k][0]: np.ascontiguousarray(v.T if to_hf[k][1] else v) for k, v in params.items()},
+        str(tmp_path / "model.safetensors"),
+    )
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    ckpt = load_checkpoint(str(tmp_path))
+    assert isinstance(ckpt.params, LazyParams) and ckpt.params.reads == 0
+    model = build_model(ckpt.config, ckpt.params)
+    assert ckpt.params.reads == len(params)
+    for name, value in model_params(model).items():
+        np.testing.assert_array_equal(np.asarray(value), params[name], err_msg=name)
