@@ -51,6 +51,8 @@ import jax.numpy as jnp
 from model.sampling import SamplingTensors, filter_logits
 from serving.core.spec_policy import expected_tokens
 
+__all__ = ["MIN_RESIDUAL_MASS", "expected_tokens_per_pass", "processed_target_probs", "rejection_sample", "row_keys"]
+
 MIN_RESIDUAL_MASS = 1e-6  # below this the residual is float error: draw from p instead
 
 
