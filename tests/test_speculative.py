@@ -2,10 +2,12 @@
 
 The harness generates token streams from a toy Markov "language model" (target P[prev] and draft Q[prev], V x V)
 by repeated speculative steps: draft k tokens from Q, build the target's k+1 conditionals from the drafts (what a
-verify pass computes), call the sampler, append the emitted tokens. The first L tokens of every stream must then be
-distributed as the target's own chain: joint of tokens 1..3 and the marginal at position k+1 (which the bonus and
-residual tokens of different rows reach through different paths) are chi-square tested over 1e5 streams, one row
-each (so num_draft differs per row). The same harness must reject two deliberately wrong rules.
+verify pass computes), call the sampler, append the emitted tokens. The first 8 tokens of every stream must then be
+distributed as the target's own chain: the joint of tokens 1..3 and the marginal at position k+1 (which the bonus
+and residual tokens of different rows reach through different paths) are chi-square tested over 1e5 streams, one
+row each (so num_draft differs per row in the ragged cases). Arrays are padded to k_max = 7 drafts as the engine
+pads its rows, and num_draft = k (or uniform in [0, k]) says how many count, so every case shares one compiled
+program. The same harness must reject two deliberately wrong rules.
 """
 
 from __future__ import annotations
