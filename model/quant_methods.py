@@ -17,6 +17,7 @@ positive value, so an all-zero column or group never yields a zero or NaN scale.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -136,54 +137,49 @@ def _inverse_hessian_cholesky(x_tk, damp: float) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "group_size", "asymmetric"))
-def _gptq_loop(w, u, fixed_scales, *, fmt, group_size, asymmetric):
-    """Quantises rows 0..K-1 in order; returns (dequantised-code matrix, codes, group scales, group zeros)."""
-    k, n = w.shape
-    g = group_size if fmt == "int4" else k
-    groups = k // g
+def _gptq_block(wb, ub, fixed_scales, *, fmt, group_size, asymmetric):
+    """Quantises the rows of one block wb [B, N] in order, compensating inside the block only.
 
-    def row_params(w_cur, i):
-        if fmt != "int4":
-            return fixed_scales, None
-        rows = jax.lax.dynamic_slice_in_dim(w_cur, (i // g) * g, g, axis=0)
-        s, z = int4_group_params(rows, g, asymmetric)
-        return s[0], (None if z is None else z[0])
+    Returns (codes [B, N], group scales [B/g, N], group zeros [B/g, N], scaled errors [B, N]); the caller applies
+    the errors to the rows after the block in one matmul (the paper's lazy batch update).
+    """
+    rows, n = wb.shape
+    g = group_size if fmt == "int4" else rows
 
     def body(i, carry):
-        w_cur, codes, scales, zeros = carry
-        fresh_s, fresh_z = row_params(w_cur, i)
+        w_cur, codes, scales, zeros, errs = carry
         grp = i // g
-        start = i % g == 0  # int4: a group's scale is fixed from the rows as they stand when it begins
-        s = jnp.where(start, fresh_s, scales[grp]) if fmt == "int4" else fixed_scales
-        scales = scales.at[grp].set(s)
-        if asymmetric:
-            z = jnp.where(start, fresh_z, zeros[grp])
-            zeros = zeros.at[grp].set(z)
-        row = w_cur[i]
-        if fmt == "int4":
-            zp = zeros[grp] if asymmetric else 8.0
-            code = jnp.clip(jnp.round(row / s) + zp, 0, 15)
+        if fmt == "int4":  # a group's scale is fixed from its rows as they stand when the group begins
+            fresh_s, fresh_z = int4_group_params(jax.lax.dynamic_slice_in_dim(w_cur, grp * g, g, axis=0), g, asymmetric)
+            start = i % g == 0
+            scales = scales.at[grp].set(jnp.where(start, fresh_s[0], scales[grp]))
+            if asymmetric:
+                zeros = zeros.at[grp].set(jnp.where(start, fresh_z[0], zeros[grp]))
+            s, zp = scales[grp], (zeros[grp] if asymmetric else 8.0)
+            code = jnp.clip(jnp.round(w_cur[i] / s) + zp, 0, 15)
             deq = (code - zp) * s
         else:
-            code = jnp.clip(jnp.round(row / s), -127, 127)
-            deq = code * s
-        err = (row - deq) / u[i, i]  # [N]
-        later = (jnp.arange(k) > i)[:, None]
-        w_cur = w_cur - jnp.where(later, u[i][:, None] * err[None, :], 0.0)
-        w_cur = w_cur.at[i].set(deq)
-        return w_cur, codes.at[i].set(code), scales, zeros
+            code = jnp.clip(jnp.round(w_cur[i] / fixed_scales), -127, 127)
+            deq = code * fixed_scales
+        err = (w_cur[i] - deq) / ub[i, i]  # [N]
+        later = (jnp.arange(rows) > i)[:, None]
+        w_cur = w_cur - jnp.where(later, ub[i][:, None] * err[None, :], 0.0)
+        return w_cur, codes.at[i].set(code), scales, zeros, errs.at[i].set(err)
 
-    init = (
-        w,
-        jnp.zeros((k, n), jnp.float32),
-        jnp.ones((groups, n), jnp.float32),
-        jnp.zeros((groups, n), jnp.float32),
-    )
-    return jax.lax.fori_loop(0, k, body, init)
+    groups = max(1, rows // g)
+    init = (wb, jnp.zeros_like(wb), jnp.ones((groups, n)), jnp.zeros((groups, n)), jnp.zeros_like(wb))
+    _, codes, scales, zeros, errs = jax.lax.fori_loop(0, rows, body, init)
+    return codes, scales, zeros, errs
+
+
+def _gptq_block_rows(k: int, fmt: str, group_size: int) -> int:
+    if fmt == "int4":
+        return group_size * math.gcd(k // group_size, max(1, 128 // group_size))
+    return math.gcd(k, 128)
 
 
 def gptq(w_kn, x_tk, *, fmt: str = "int4", group_size: int = 128, asymmetric: bool = True, damp: float = 0.01):
-    """GPTQ (Frantar et al. 2022) without blocking or reordering: int4 per group or int8 per channel.
+    """GPTQ (Frantar et al. 2022), blocked lazy updates, no reordering: int4 per group or int8 per channel.
 
     Rows (input channels) are quantised in order; the rounding error of row i is compensated on rows > i by
     w[j] -= U[i, j] / U[i, i] * err, with U the upper Cholesky factor of the inverse Hessian of the inputs.
@@ -196,7 +192,16 @@ def gptq(w_kn, x_tk, *, fmt: str = "int4", group_size: int = 128, asymmetric: bo
     asymmetric = asymmetric and fmt == "int4"  # int8 is symmetric per channel
     u = _inverse_hessian_cholesky(jnp.asarray(x_tk, jnp.float32), damp)
     fixed = _safe(jnp.max(jnp.abs(w), axis=0) / 127.0)
-    _, codes, scales, zeros = _gptq_loop(w, u, fixed, fmt=fmt, group_size=group_size, asymmetric=asymmetric)
+    block = _gptq_block_rows(w.shape[0], fmt, group_size)
+    codes, scales, zeros = [], [], []
+    for b0 in range(0, w.shape[0], block):
+        b1 = b0 + block
+        c, s, z, err = _gptq_block(
+            w[b0:b1], u[b0:b1, b0:b1], fixed, fmt=fmt, group_size=group_size, asymmetric=asymmetric
+        )
+        w = w.at[b1:].add(-u[b0:b1, b1:].T @ err)
+        codes.append(c), scales.append(s), zeros.append(z)
+    codes, scales, zeros = (jnp.concatenate(a) for a in (codes, scales, zeros))
     if fmt == "int8":
         return QuantizedArray(codes.astype(jnp.int8), fixed, fmt="int8")
     return QuantizedArray(pack_int4(codes), scales, zeros if asymmetric else None, fmt="int4", group_size=group_size)

@@ -1,0 +1,195 @@
+"""Quality of the weight quantisation methods on real text (CPU): perplexity per domain, KL and top-1 agreement.
+
+    PYTHONPATH=. python3 benchmarks/quant_quality.py --out benchmarks/results/quant_quality.json
+
+Model: the default checkpoint (checkpoints.loader.load_checkpoint(), SmolLM2) in float32; its float weights are the
+baseline ("unquantised"). Text not written here: prose = licence texts in /usr/share/common-licenses, code = Python
+standard-library sources. Calibration and evaluation use different files (held-out split). Every projection of
+every layer (q, k, v, o, gate, up, down) is replaced by a QuantizedArray and runs through model.quant.matmul; the
+embedding and LM head stay float. Calibration inputs of each projection are recorded from the float model
+(not re-collected after earlier layers are quantised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from checkpoints.loader import load_checkpoint
+from model import kv, layers, quant, transformer
+from model import quant_methods as qm
+
+LICENSES = "/usr/share/common-licenses"
+PY_LIB = "/root/.pyenv/versions/3.11.7/lib/python3.11"
+SPLITS = {
+    "prose": dict(calib=["GPL-3", "Apache-2.0"], eval=["MPL-2.0", "Artistic", "GFDL-1.3", "LGPL-2.1"]),
+    "code": dict(
+        calib=["argparse.py", "dataclasses.py"], eval=["heapq.py", "fractions.py", "textwrap.py", "bisect.py"]
+    ),
+}
+MODEL_NAME = "default checkpoint (checkpoints.loader.load_checkpoint())"
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def read(domain, name):
+    root = LICENSES if domain == "prose" else PY_LIB
+    with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def sequences(tok, domain, split, seq_len, count):
+    """`count` token sequences of `seq_len`, cut from the split's files in order."""
+    ids = []
+    for name in SPLITS[domain][split]:
+        ids += tok.encode(read(domain, name))
+    if len(ids) < seq_len * count:
+        raise ValueError(f"{domain}/{split}: {len(ids)} tokens < {seq_len * count}")
+    return np.asarray(ids[: seq_len * count], np.int32).reshape(count, seq_len)
+
+
+def patch_door(recorder=None):
+    """Layers call `model.quant.matmul` (imported by name); wrap it to record each projection's input, or restore."""
+
+    def door(x, w, out_dtype=None):
+        if out_dtype is None:  # the LM head (float32 logits) is not a projection we quantise
+            recorder.append(np.asarray(x, np.float32).reshape(-1, x.shape[-1]))
+        return quant.matmul(x, w, out_dtype)
+
+    layers.matmul = transformer.matmul = quant.matmul if recorder is None else door
+
+
+def forward(model, tokens_bt):
+    b, t = tokens_bt.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    logits, _ = model(jnp.asarray(tokens_bt), positions, None, kv.NoCache(jnp.full((b,), t)))
+    return logits
+
+
+def calibration_inputs(model, calib_bt, num_layers):
+    """{"layers.i.name": x [T, K]} recorded from the float model (call order: q, k, v, o, gate, up, down)."""
+    calls = []
+    patch_door(calls)
+    for row in calib_bt:
+        forward(model, row[None])
+    patch_door(None)
+    per_seq = len(PROJECTIONS) * num_layers
+    if len(calls) != per_seq * len(calib_bt):
+        raise RuntimeError(f"recorded {len(calls)} projection calls, expected {per_seq * len(calib_bt)}")
+    out = {}
+    for i in range(per_seq):
+        name = f"layers.{i // len(PROJECTIONS)}.{PROJECTIONS[i % len(PROJECTIONS)]}"
+        out[name] = np.concatenate(calls[i::per_seq], axis=0)
+    return out
+
+
+GROUP = dict(group_size=64, asymmetric=True)  # int4 settings (--group_size)
+METHODS = {
+    "int8": lambda w, x: qm.rtn(w, "int8"),
+    "fp8": lambda w, x: qm.rtn(w, "fp8"),
+    "int4_rtn": lambda w, x: qm.rtn(w, "int4", **GROUP),
+    "int4_awq": lambda w, x: qm.awq(w, x[:512], grid=10, **GROUP),
+    "int4_gptq": lambda w, x: qm.gptq(w, x, **GROUP),
+    "w8a8_int8_smoothquant": lambda w, x: qm.smoothquant(w, x, alpha=0.5),
+    "w8a8_fp8_dynamic": lambda w, x: qm.fp8_w8a8(w),
+}
+
+
+def quantised_params(params, calib, method):
+    out = dict(params)
+    for name, x in calib.items():
+        out[name] = METHODS[method](jnp.asarray(params[name], jnp.float32), jnp.asarray(x))
+    return out
+
+
+def score(model, eval_bt, base_logprobs=None):
+    """Mean NLL of next tokens, and (against base log-probs) mean KL(base || this) and top-1 agreement."""
+    graphdef, state = nnx.split(model)
+    jitted = jax.jit(lambda state, tokens: jax.nn.log_softmax(forward(nnx.merge(graphdef, state), tokens), axis=-1))
+
+    def run(tokens):
+        return jitted(state, tokens)
+
+    nll, kl, agree, lps = [], [], [], []
+    for i, row in enumerate(eval_bt):
+        lp = run(row[None])[0, :-1]  # [T-1, V]
+        nll.append(-np.asarray(jnp.take_along_axis(lp, jnp.asarray(row[1:, None]), axis=-1))[:, 0])
+        if base_logprobs is None:
+            lps.append(lp)
+        else:
+            base = base_logprobs[i]
+            kl.append(np.asarray(jnp.sum(jnp.exp(base) * (base - lp), axis=-1)))
+            agree.append(np.asarray(jnp.argmax(base, -1) == jnp.argmax(lp, -1)))
+    nll = np.concatenate(nll)
+    result = dict(ppl=float(np.exp(nll.mean())), tokens=int(nll.size))
+    if base_logprobs is not None:
+        result |= dict(kl=float(np.concatenate(kl).mean()), top1_agree=float(np.concatenate(agree).mean()))
+    return result, lps
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/quant_quality.json")
+    parser.add_argument("--seq_len", type=int, default=512)
+    parser.add_argument("--eval_seqs", type=int, default=4)
+    parser.add_argument("--calib_seqs", type=int, default=2)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--group_size", type=int, default=64)
+    args = parser.parse_args(argv)
+    GROUP["group_size"] = args.group_size
+    t0 = time.time()
+    ckpt = load_checkpoint()
+    model = transformer.build_model(ckpt.config, ckpt.params, jnp.float32)
+    params = transformer.model_params(model)
+    calib_bt = np.concatenate([sequences(ckpt.tokenizer, d, "calib", args.seq_len, args.calib_seqs) for d in SPLITS])
+    evals = {d: sequences(ckpt.tokenizer, d, "eval", args.seq_len, args.eval_seqs) for d in SPLITS}
+    calib = calibration_inputs(model, calib_bt, ckpt.config.num_layers)
+    print(f"calibration: {calib_bt.size} tokens, {len(calib)} projections ({time.time() - t0:.0f}s)", flush=True)
+    patch_door(None)
+    result = dict(
+        model=MODEL_NAME,
+        int4=dict(GROUP),
+        seq_len=args.seq_len,
+        calib_tokens=int(calib_bt.size),
+        splits=SPLITS,
+        rows=[],
+    )
+    base = {}
+    for domain, eval_bt in evals.items():
+        r, base[domain] = score(model, eval_bt)
+        result["rows"].append(dict(method="float", domain=domain, **r))
+        print(f"float      {domain:6s} ppl {r['ppl']:.4f}", flush=True)
+    for method in args.methods.split(","):
+        start = time.time()
+        qmodel = transformer.build_model(ckpt.config, quantised_params(params, calib, method), jnp.float32)
+        quant_s = time.time() - start
+        for domain, eval_bt in evals.items():
+            r, _ = score(qmodel, eval_bt, base[domain])
+            ref = next(x["ppl"] for x in result["rows"] if x["method"] == "float" and x["domain"] == domain)
+            r |= dict(ppl_delta_pct=100.0 * (r["ppl"] / ref - 1.0), quantise_s=quant_s)
+            result["rows"].append(dict(method=method, domain=domain, **r))
+            print(
+                f"{method:22s} {domain:6s} ppl {r['ppl']:.4f} ({r['ppl_delta_pct']:+.2f}%) KL {r['kl']:.4f} "
+                f"top1 {r['top1_agree']:.4f}  (quantise {quant_s:.0f}s)",
+                flush=True,
+            )
+        dump(args.out, result)
+    result["elapsed_s"] = time.time() - t0
+    dump(args.out, result)
+
+
+def dump(path, result):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
