@@ -47,6 +47,11 @@ DENSE_CANDIDATES = (
     C(64, 256, 64, num_warps=8),
     C(64, 64, 256, num_stages=3),
     C(64, 128, 64, num_stages=6),
+    # untried on a GPU so far: more bytes in flight per program for the 1-byte formats (the first run's int8 / fp8
+    # streamed at about half of bf16's rate with the same tile, i.e. like a latency-bound loop)
+    C(64, 128, 512, num_warps=8, num_stages=3),
+    C(64, 128, 256, prefetch=True),
+    C(64, 64, 512, num_warps=8, prefetch=True),
 )
 INT4_CANDIDATES = (
     C(64, 128, 256),
@@ -55,6 +60,8 @@ INT4_CANDIDATES = (
     C(64, 256, 256, num_warps=8),
     C(64, 128, 1024, num_warps=8, num_stages=3),
     C(64, 64, 256, num_stages=6),
+    C(64, 128, 512, prefetch=True),
+    C(64, 128, 1024, num_warps=8, prefetch=True),
 )
 COPY_BYTES = 160 << 20
 INTERPRET = False  # --smoke: tiny shapes through the interpreter (a CPU check of this script)
@@ -225,15 +232,19 @@ def main(argv=None):
     parser.add_argument("--budget_s", type=float, default=240.0)
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--shapes", default="", help="KxN list, e.g. 4096x14336 (default: the four 8B shapes)")
+    parser.add_argument("--skip_peers", action="store_true", help="no XLA / torch rows (a tuning run)")
     args = parser.parse_args(argv)
+    global SHAPES, INTERPRET, COPY_BYTES
+    if args.shapes:
+        SHAPES = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     if args.smoke:
-        global SHAPES, INTERPRET, COPY_BYTES
         SHAPES, INTERPRET, COPY_BYTES = ((256, 128),), True, 1 << 16
     t0 = time.time()
     result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, rows=[], check=[], sweep=[])
     if args.check:
         result["worst_rel_err"] = check(result["check"])
-    for impl, (fmt_name, call) in xla_calls().items():
+    for impl, (fmt_name, call) in ({} if args.skip_peers else xla_calls()).items():
         for k, n in SHAPES:
             for m in (1, 64):
                 weights = weights_for(fmt_name, k, n)
@@ -244,7 +255,8 @@ def main(argv=None):
                     dict(impl=impl, fmt=fmt_name, k=k, n=n, m=m, seconds=sec, bytes=b, tb_s=b / sec / 1e12)
                 )
                 print(f"{impl:22s} {k:5d}x{n:<5d} M={m:<3d} {b / sec / 1e12:.2f} TB/s", flush=True)
-    torch_rows(result["rows"])
+    if not args.skip_peers:
+        torch_rows(result["rows"])
     dump(args.out, result)
     cases = [(f, k, n, m) for f in args.formats.split(",") for k, n in SHAPES for m in (1, 64)]
     best = {}

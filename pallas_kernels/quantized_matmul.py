@@ -54,6 +54,7 @@ class QuantizedMatmulConfig:
         num_splits: K splits across programs; 0 picks enough to give every SM a few programs.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the K loop.
+        prefetch: load the next K step's weight tiles before computing this one (opt-in: not yet measured).
     """
 
     block_m: int = 64
@@ -62,6 +63,7 @@ class QuantizedMatmulConfig:
     num_splits: int = 0
     num_warps: int = 4
     num_stages: int = 4
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -143,6 +145,20 @@ def _split_row(m0, mp: int, num_splits: int):
     return m0 if num_splits == 1 else pl.program_id(2) * mp + m0
 
 
+def _k_loop(first, last, load, step, acc, prefetch: bool):
+    """acc = step(i, acc, load(i)) for i in [first, last); with `prefetch` the tiles of step i + 1 are loaded
+    before step i computes (a register double buffer: one more weight tile in flight per program)."""
+    if not prefetch:
+        return jax.lax.fori_loop(first, last, lambda i, acc: step(i, acc, load(i)), acc)
+
+    def body(i, carry):
+        acc, tiles = carry
+        upcoming = load(jnp.minimum(i + 1, last - 1))
+        return step(i, acc, tiles), upcoming
+
+    return jax.lax.fori_loop(first, last, body, (acc, load(first)))[0]
+
+
 def _dense_kernel(
     x_ref,  # [Mp, Kp] compute dtype, K zero-padded to whole steps
     w_ref,  # [K, N] bf16 / f16 / int8 / float8_e4m3fn (uint8 bits of e4m3 when tiles are partial)
@@ -157,17 +173,20 @@ def _dense_kernel(
     num_steps: int,
     steps_per_split: int,
     fp8_bits: bool,
+    prefetch: bool,
 ):
     m0, n0, first, last = _program_range(bm, bn, num_steps, steps_per_split)
 
-    def body(i, acc):
+    def load(i):
+        return _load_tile(w_ref, i * bk, bk, n0, bn)  # [bk, bn]
+
+    def step(i, acc, w):
         x = x_ref[pl.ds(m0, bm), pl.ds(i * bk, bk)]  # [bm, bk]
-        w = _load_tile(w_ref, i * bk, bk, n0, bn)  # [bk, bn]
         if fp8_bits:  # masked loads cannot fill an fp8 tile in Triton's lowering: load the bytes, then view them
             w = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
         return acc + _dot(x, w.astype(x.dtype))
 
-    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))  # [bm, bn]
+    acc = _k_loop(first, last, load, step, jnp.zeros((bm, bn), jnp.float32), prefetch)  # [bm, bn]
     if s_ref is not None:
         acc = acc * _load_row(s_ref, None, n0, bn)[None, :]
     _store(o_ref, acc, _split_row(m0, mp, num_splits), n0)
@@ -189,16 +208,19 @@ def _int4_kernel(
     groups_per_step: int,
     num_steps: int,
     steps_per_split: int,
+    prefetch: bool,
 ):
     m0, n0, first, last = _program_range(bm, bn, num_steps, steps_per_split)
     half = group_size // 2  # packed rows per group
 
-    def body(i, acc):
-        for j in range(groups_per_step):  # static: each group gets its own loads and dot
+    def load(i):  # static unroll: one [g/2, bn] uint8 tile per group of the step
+        return tuple(_load_tile(w_ref, (i * groups_per_step + j) * half, half, n0, bn) for j in range(groups_per_step))
+
+    def step(i, acc, tiles):
+        for j, packed in enumerate(tiles):
             group = i * groups_per_step + j
             xe = xe_ref[pl.ds(m0, bm), pl.ds(group * half, half)]  # [bm, g/2]
             xo = xo_ref[pl.ds(m0, bm), pl.ds(group * half, half)]  # [bm, g/2]
-            packed = _load_tile(w_ref, group * half, half, n0, bn)  # [g/2, bn] uint8
             zero = 8.0 if z_ref is None else _load_row(z_ref, group, n0, bn)[None, :]  # [1, bn]
             lo = ((packed & 0xF).astype(jnp.float32) - zero).astype(xe.dtype)  # [g/2, bn], exact integers
             hi = ((packed >> 4).astype(jnp.float32) - zero).astype(xe.dtype)
@@ -206,7 +228,7 @@ def _int4_kernel(
             acc = acc + (_dot(xe, lo) + _dot(xo, hi)) * scale
         return acc
 
-    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))  # [bm, bn]
+    acc = _k_loop(first, last, load, step, jnp.zeros((bm, bn), jnp.float32), prefetch)  # [bm, bn]
     _store(o_ref, acc, _split_row(m0, mp, num_splits), n0)
 
 
@@ -249,7 +271,13 @@ def plan(m: int, k: int, n: int, fmt: str, group_size: int, config: QuantizedMat
 def _build_call(p: _Plan, n: int, out_dtype, inputs, *, fmt, group_size, config, interpret):
     grid = (p.mp // p.bm, -(-n // p.bn), p.num_splits)
     common = dict(
-        mp=p.mp, num_splits=p.num_splits, bm=p.bm, bn=p.bn, num_steps=p.num_steps, steps_per_split=p.steps_per_split
+        prefetch=config.prefetch,
+        mp=p.mp,
+        num_splits=p.num_splits,
+        bm=p.bm,
+        bn=p.bn,
+        num_steps=p.num_steps,
+        steps_per_split=p.steps_per_split,
     )
     if fmt == "int4":
         kernel = functools.partial(_int4_kernel, group_size=group_size, groups_per_step=p.bk // group_size, **common)

@@ -7,6 +7,8 @@ every output as NaN, so an unwritten tile fails the finiteness check in rel_err.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,18 @@ class TestInterpret(QuantizedMatmulTestBase):
     pass
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_prefetch_matches_reference(case):
+    """The register double buffer (config.prefetch) on splits of uneven length (5 or 9 steps over 3 splits)."""
+    _, fmt, k, n, g, asym, per_tensor = case
+    rng = np.random.default_rng(11)
+    w = make_weight(rng, fmt, k, n, g, asym, per_tensor)
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
+    config = dataclasses.replace(SMALL, block_k=16, prefetch=True)
+    got = qmm.quantized_matmul(x, *w, fmt=fmt, group_size=g, config=config, backend="interpret")
+    assert rel_err(got, qmm.reference(x, *w, fmt=fmt, group_size=g)) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
 class TestTriton(QuantizedMatmulTestBase):
@@ -140,7 +154,7 @@ def test_lowers_to_triton_on_cpu(fake_hopper, case):
     _, fmt, k, n, g, asym, per_tensor = case
     w = make_weight(np.random.default_rng(0), fmt, k, n, g, asym, per_tensor)
     x = jax.ShapeDtypeStruct((3, k), jnp.bfloat16)
-    for config in (qmm.QuantizedMatmulConfig(), SMALL):
+    for config in (qmm.QuantizedMatmulConfig(), SMALL, qmm.QuantizedMatmulConfig(prefetch=True)):
 
         def f(x, v, s, z, config=config):
             return qmm._kernel_jit(x, v, s, z, fmt=fmt, group_size=g, config=config, interpret=False)
