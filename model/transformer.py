@@ -6,6 +6,11 @@ Attention is grouped-query with rotate-half RoPE; how each layer writes and read
 the attention metadata (model/kv.py), so scoring, the contiguous reference path and the paged engine share this
 code. Layers are a Python loop (unrolled under jit): on the H200 that is ~3x faster per decode step than a
 `lax.scan` over stacked layers.
+
+Creation: `build_model` and `random_model` start from `abstract_model` (nnx.eval_shape: every parameter a
+ShapeDtypeStruct, nothing allocated) and write each parameter exactly once, in its final dtype and placement:
+
+    params[name] (host / device array, QuantizedArray, or a LazyParams read)  --cast, device_put(sharding)-->  slot
 """
 
 from __future__ import annotations
