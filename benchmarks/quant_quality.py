@@ -95,8 +95,9 @@ METHODS = {
     "int8": lambda w, x: qm.rtn(w, "int8"),
     "fp8": lambda w, x: qm.rtn(w, "fp8"),
     "int4_rtn": lambda w, x: qm.rtn(w, "int4", **GROUP),
-    "int4_awq": lambda w, x: qm.awq(w, x[:512], grid=10, **GROUP),
-    "int4_gptq": lambda w, x: qm.gptq(w, x, **GROUP),
+    "int4_awq": lambda w, x: qm.awq(w, x[::4], grid=10, **GROUP),  # every 4th token: both domains, 512 tokens
+    "int4_gptq": lambda w, x: qm.gptq(w, x, act_order=True, **GROUP),
+    "int4_gptq_in_order": lambda w, x: qm.gptq(w, x, **GROUP),
     "w8a8_int8_smoothquant": lambda w, x: qm.smoothquant(w, x, alpha=0.5),
     "w8a8_fp8_dynamic": lambda w, x: qm.fp8_w8a8(w),
 }

@@ -172,17 +172,64 @@ def _gptq_block(wb, ub, fixed_scales, *, fmt, group_size, asymmetric):
     return codes, scales, zeros, errs
 
 
+@jax.jit
+def _gptq_block_static(wb, ub, s_rows, z_rows):
+    """int4 with scales fixed beforehand, per row: s_rows / z_rows [B, N] (act-order GPTQ with static groups)."""
+
+    def body(i, carry):
+        w_cur, codes, errs = carry
+        code = jnp.clip(jnp.round(w_cur[i] / s_rows[i]) + z_rows[i], 0, 15)
+        err = (w_cur[i] - (code - z_rows[i]) * s_rows[i]) / ub[i, i]
+        later = (jnp.arange(wb.shape[0]) > i)[:, None]
+        w_cur = w_cur - jnp.where(later, ub[i][:, None] * err[None, :], 0.0)
+        return w_cur, codes.at[i].set(code), errs.at[i].set(err)
+
+    _, codes, errs = jax.lax.fori_loop(0, wb.shape[0], body, (wb, jnp.zeros_like(wb), jnp.zeros_like(wb)))
+    return codes, errs
+
+
+def _gptq_act_order(w, x, group_size, asymmetric, damp):
+    """Rows quantised in order of decreasing Hessian diagonal (the most active inputs first), with the group
+    scales of plain RTN fixed up front so the stored layout stays contiguous groups."""
+    perm = jnp.argsort(-jnp.sum(x * x, axis=0))
+    inv = jnp.argsort(perm)
+    scales, zeros = int4_group_params(w, group_size, asymmetric)
+    s_rows = jnp.repeat(scales, group_size, axis=0)[perm]
+    z_rows = (8.0 * jnp.ones_like(s_rows)) if zeros is None else jnp.repeat(zeros, group_size, axis=0)[perm]
+    u = _inverse_hessian_cholesky(x[:, perm], damp)
+    wp = w[perm]
+    block = math.gcd(w.shape[0], 128)
+    codes = []
+    for b0 in range(0, w.shape[0], block):
+        b1 = b0 + block
+        c, err = _gptq_block_static(wp[b0:b1], u[b0:b1, b0:b1], s_rows[b0:b1], z_rows[b0:b1])
+        wp = wp.at[b1:].add(-u[b0:b1, b1:].T @ err)
+        codes.append(c)
+    codes = jnp.concatenate(codes)[inv]
+    return QuantizedArray(pack_int4(codes), scales, zeros, fmt="int4", group_size=group_size)
+
+
 def _gptq_block_rows(k: int, fmt: str, group_size: int) -> int:
     if fmt == "int4":
         return group_size * math.gcd(k // group_size, max(1, 128 // group_size))
     return math.gcd(k, 128)
 
 
-def gptq(w_kn, x_tk, *, fmt: str = "int4", group_size: int = 128, asymmetric: bool = True, damp: float = 0.01):
-    """GPTQ (Frantar et al. 2022), blocked lazy updates, no reordering: int4 per group or int8 per channel.
+def gptq(
+    w_kn,
+    x_tk,
+    *,
+    fmt: str = "int4",
+    group_size: int = 128,
+    asymmetric: bool = True,
+    damp: float = 0.01,
+    act_order: bool = False,
+):
+    """GPTQ (Frantar et al. 2022), blocked lazy updates: int4 per group or int8 per channel.
 
     Rows (input channels) are quantised in order; the rounding error of row i is compensated on rows > i by
     w[j] -= U[i, j] / U[i, i] * err, with U the upper Cholesky factor of the inverse Hessian of the inputs.
+    `act_order` (int4): rows in order of decreasing input energy, group scales fixed from RTN beforehand.
     """
     if fmt not in ("int4", "int8"):
         raise ValueError(f"gptq: fmt must be int4 or int8, got {fmt!r}")
@@ -190,6 +237,8 @@ def gptq(w_kn, x_tk, *, fmt: str = "int4", group_size: int = 128, asymmetric: bo
     if fmt == "int4" and w.shape[0] % group_size:
         raise ValueError(f"gptq: K={w.shape[0]} is not a multiple of group_size={group_size}")
     asymmetric = asymmetric and fmt == "int4"  # int8 is symmetric per channel
+    if act_order and fmt == "int4":
+        return _gptq_act_order(w, jnp.asarray(x_tk, jnp.float32), group_size, asymmetric, damp)
     u = _inverse_hessian_cholesky(jnp.asarray(x_tk, jnp.float32), damp)
     fixed = _safe(jnp.max(jnp.abs(w), axis=0) / 127.0)
     block = _gptq_block_rows(w.shape[0], fmt, group_size)

@@ -34,8 +34,10 @@ def test_awq_and_gptq_beat_rtn_on_outlier_inputs(asymmetric):
     e_rtn = output_error(x, w, qm.rtn(w, **kw))
     e_awq = output_error(x, w, qm.awq(w, x, **kw))
     e_gptq = output_error(x, w, qm.gptq(w, x, **kw))
+    e_gptq_act = output_error(x, w, qm.gptq(w, x, act_order=True, **kw))
     assert e_awq < 0.9 * e_rtn, (e_awq, e_rtn)
     assert e_gptq < 0.9 * e_rtn, (e_gptq, e_rtn)
+    assert e_gptq_act < 0.9 * e_gptq, (e_gptq_act, e_gptq)  # outlier inputs first: their errors get compensated
 
 
 def test_gptq_int8_beats_rtn():
