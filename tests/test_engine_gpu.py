@@ -138,8 +138,13 @@ def test_float32_greedy_is_token_identical(llm_f32):
 
 
 def _logits(llm, prompt, gen) -> np.ndarray:
-    """Reference float32 logits [len(gen), V] of the distributions each generated token was chosen from."""
-    return llm.score(prompt + gen[:-1])[len(prompt) - 1 :]
+    """Reference float32 logits [len(gen), V] of the distributions each generated token was chosen from.
+
+    Every sequence is padded to MAX_MODEL_LEN so that the scorer compiles once per model, not once per sequence
+    length; attention is causal, so the padding after the real tokens does not change their logits.
+    """
+    ids = prompt + gen[:-1]
+    return llm.score(ids + [0] * (MAX_MODEL_LEN - len(ids)))[len(prompt) - 1 : len(ids)]
 
 
 def test_bfloat16_greedy_within_reference_error(llm_bf16, llm_f32):
