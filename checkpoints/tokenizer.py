@@ -148,8 +148,20 @@ class Tokenizer:
 
     # Chat --------------------------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Renders messages with the model's template (as HF does: sandboxed jinja2, trim/lstrip blocks)."""
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """Renders messages with the model's template (as HF does: sandboxed jinja2, trim/lstrip blocks).
+
+        `tools` (OpenAI tool definitions) go to a template that reads a `tools` variable as they are; a template
+        without tool support (SmolLM2's) gets them through `inline_tools`: a system prompt in the Hermes format,
+        assistant tool calls as `<tool_call>` text and tool results as `<tool_response>` user turns.
+        """
+        if tools and self.chat_template and "tools" not in self.chat_template:
+            messages, tools = inline_tools(messages, tools), None
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if not messages:
@@ -162,6 +174,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_str(self.bos_token_id),
             eos_token=self._token_str(self.eos_token_ids[0] if self.eos_token_ids else None),
+            **({"tools": list(tools)} if tools else {}),
         )
 
     def _token_str(self, token_id: int | None) -> str:
@@ -169,6 +182,45 @@ class Tokenizer:
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
+
+
+_TOOLS_PROMPT = (
+    "You may call one or more functions to assist with the user query. The functions are listed in <tools></tools>"
+    " as JSON signatures:\n<tools>\n{tools}\n</tools>\nTo call a function, reply with a JSON object with the"
+    ' function name and arguments inside <tool_call></tool_call> tags:\n<tool_call>\n{{"name": <function-name>,'
+    ' "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def inline_tools(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template with no tool support: the tool list in the system prompt (Hermes format), assistant
+    `tool_calls` as `<tool_call>` text, `tool` results as `<tool_response>` user turns."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    prompt = _TOOLS_PROMPT.format(tools=listing)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if m["role"] == "assistant" and calls:
+            text = "".join(f"<tool_call>\n{json.dumps(_call_json(c), ensure_ascii=False)}\n</tool_call>" for c in calls)
+            m["content"] = (m["content"] or "") + text
+        elif m["role"] == "tool":
+            m.pop("tool_call_id", None)
+            m.update(role="user", content=f"<tool_response>\n{m['content']}\n</tool_response>")
+    return out
+
+
+def _call_json(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function", {})
+    args = fn.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        pass
+    return {"name": fn.get("name"), "arguments": args}
 
 
 def _raise(message: str):

@@ -341,8 +341,15 @@ class ServerConfig:
         api_key: when set, /v1 requests need `Authorization: Bearer <api_key>`.
         served_model_name: the name clients pass as `model`; None: the model's display name.
         max_queue: most requests waiting for a slot; beyond it 503 + Retry-After.
-        drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
+        drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish; then they end with an
+            OpenAI error saying the server is shutting down.
         log_level: uvicorn and server log level.
+        max_body_bytes: largest request body accepted (413 beyond; a full-context token-id list is ~100 KB).
+        header_timeout_s: a connection must send a complete request head this soon after connecting.
+        body_timeout_s: longest wait for the next piece of a request body (408 beyond).
+        keep_alive_s: an idle keep-alive connection is closed after this long.
+        enable_docs: serve /docs, /redoc and /openapi.json.
+        protect_metrics: /metrics needs the API key too (when one is set).
     """
 
     host: str = "127.0.0.1"
@@ -352,9 +359,18 @@ class ServerConfig:
     max_queue: int = 256
     drain_timeout_s: float = 300.0
     log_level: str = "info"
+    max_body_bytes: int = 16 << 20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
+    enable_docs: bool = False
+    protect_metrics: bool = False
 
     def __post_init__(self):
         _check(_is_int(self.port) and 0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")
         _check_int("max_queue", self.max_queue, 0)
         _check(self.drain_timeout_s >= 0, "drain_timeout_s", self.drain_timeout_s, ">= 0")
         _check_choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
+        _check_int("max_body_bytes", self.max_body_bytes, 1)
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            _check(getattr(self, name) > 0, name, getattr(self, name), "> 0")

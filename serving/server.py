@@ -20,6 +20,7 @@ from absl import flags
 
 from serving import flags as engine_flags
 from serving.api.app import DrainingServer, create_app
+from serving.api.http import timed_h11_protocol
 from serving.config import EngineConfig, ServerConfig
 
 FLAGS = flags.FLAGS
@@ -37,7 +38,15 @@ flags.DEFINE_string(
 flags.DEFINE_integer("max_queue", _S.max_queue, "most requests waiting for a slot; beyond it 503 + Retry-After")
 flags.DEFINE_float("drain_timeout_s", _S.drain_timeout_s, "on SIGTERM, how long in-flight requests may take to finish")
 flags.DEFINE_enum("log_level", _S.log_level, ["debug", "info", "warning", "error"], "uvicorn and server log level")
+flags.DEFINE_integer("max_body_bytes", _S.max_body_bytes, "largest request body accepted (413 beyond)")
+flags.DEFINE_float("header_timeout_s", _S.header_timeout_s, "close connections without a request head by then")
+flags.DEFINE_float("body_timeout_s", _S.body_timeout_s, "longest wait for the next piece of a body (408 beyond)")
+flags.DEFINE_float("keep_alive_s", _S.keep_alive_s, "close idle keep-alive connections after this long")
+flags.DEFINE_bool("enable_docs", _S.enable_docs, "serve /docs, /redoc and /openapi.json")
+flags.DEFINE_bool("protect_metrics", _S.protect_metrics, "/metrics needs the API key too (when --api_key is set)")
 
+# Seconds uvicorn waits past the drain deadline, so the handlers' shutting-down errors reach the clients.
+DRAIN_GRACE_S = 5.0
 SERVER_FLAGS = tuple(f.name for f in _S.__dataclass_fields__.values())
 
 
@@ -73,6 +82,10 @@ def main(argv) -> int:
         api_key=server_config.api_key,
         max_queue=server_config.max_queue,
         warmup=bool(engine_config.warmup),
+        max_body_bytes=server_config.max_body_bytes,
+        body_timeout_s=server_config.body_timeout_s,
+        enable_docs=server_config.enable_docs,
+        protect_metrics=server_config.protect_metrics,
     )
     server = DrainingServer(
         uvicorn.Config(
@@ -80,9 +93,12 @@ def main(argv) -> int:
             host=server_config.host,
             port=server_config.port,
             log_level=server_config.log_level,
-            timeout_graceful_shutdown=server_config.drain_timeout_s,
+            http=timed_h11_protocol(server_config.header_timeout_s),
+            timeout_keep_alive=server_config.keep_alive_s,
+            timeout_graceful_shutdown=server_config.drain_timeout_s + DRAIN_GRACE_S,
             lifespan="on",
-        )
+        ),
+        drain_timeout_s=server_config.drain_timeout_s,
     )
     server.run()
     load_error = asgi.state.server.engine.load_error

@@ -2,19 +2,27 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (server-sent events with `stream`), GET /v1/models,
 GET /health (200 once the model is loaded and compiled, 503 before and while draining), GET /metrics
-(Prometheus text).
+(Prometheus text; behind the API key with `protect_metrics`). /docs, /redoc and /openapi.json exist only with
+`enable_docs`.
+
+A /v1 request is checked in this order: the API key (before a byte of the body is read), the body size
+(Content-Length, then the running total) and read timeout, UTF-8 and JSON (serving/api/http.py), the pydantic
+model, then the handler; large bodies are parsed on a worker thread and followed by a heap trim.
 
 This module builds the app (routes, auth, error bodies, the OpenAPI description) and the draining uvicorn server;
 the /v1 handlers are in serving/api/handlers.py, the engine thread in serving/api/async_engine.py. SIGTERM stops
-accepting connections, lets in-flight requests finish (up to --drain_timeout_s), then stops the engine thread and
-exits 0. /health polls are kept out of the access log (below debug level).
+accepting connections, lets in-flight requests finish (up to --drain_timeout_s; past it, streams end with an
+OpenAI error event and `[DONE]`, other requests with a 503 error body, both saying the server is shutting down),
+then stops the engine thread and exits 0. /health polls are kept out of the access log (below debug level).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +32,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.api import handlers
+from serving.api import handlers, http
 from serving.api.async_engine import AsyncEngine
 from serving.api.handlers import ServerState
 from serving.api.metrics import CONTENT_TYPE, ServerMetrics
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
+from serving.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    describe_validation_error,
+    error_body,
+)
 from serving.config import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME  # re-exported for clients of the app
 
 log = logging.getLogger("serving.server")
@@ -37,6 +51,8 @@ _ERRORS = {
     400: {"description": "invalid request"},
     401: {"description": "missing or wrong API key"},
     404: {"description": "unknown model"},
+    408: {"description": "the body did not arrive in time"},
+    413: {"description": "body larger than max_body_bytes"},
     503: {"description": "loading, draining or queue full"},
 }
 
@@ -68,6 +84,10 @@ def create_app(
     api_key: str | None = None,
     max_queue: int = 256,
     warmup: bool = True,
+    max_body_bytes: int = 16 << 20,
+    body_timeout_s: float = 60.0,
+    enable_docs: bool = False,
+    protect_metrics: bool = False,
 ) -> ServerApp:
     """Builds the ASGI app; the engine thread starts (and loads the model) with the app's lifespan.
 
@@ -78,6 +98,10 @@ def create_app(
       max_queue: most requests waiting for a slot before new ones get 503.
       warmup: run one short request before reporting healthy (bucket compilation is the engine config's
         `warmup`, done when llm_factory builds the engine).
+      max_body_bytes: largest request body accepted (413 beyond).
+      body_timeout_s: longest wait for the next piece of a request body (408 beyond).
+      enable_docs: serve /docs, /redoc and /openapi.json.
+      protect_metrics: /metrics needs the API key too (when one is set).
     """
 
     def make_engine():  # on the engine thread, after `state` below exists
@@ -85,11 +109,13 @@ def create_app(
         engine = llm.engine
         if warmup:
             _smoke_request(engine)
+        state.kv_capacity_tokens = _kv_capacity_tokens(engine)
         state.llm = llm
         return engine
 
     engine = AsyncEngine(make_engine, max_queue=max_queue)
-    state = ServerState(engine, model_name, api_key, ServerMetrics(lambda: engine.stats))
+    state = ServerState(engine, model_name, api_key, ServerMetrics(engine.live_stats))
+    state.max_body_bytes, state.body_timeout_s, state.protect_metrics = max_body_bytes, body_timeout_s, protect_metrics
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -99,7 +125,8 @@ def create_app(
         state.draining = True
         await engine.shutdown()
 
-    fastapi_app = FastAPI(title="pallas-serve", version="0.1.0", lifespan=lifespan)
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    fastapi_app = FastAPI(title="pallas-serve", version="0.1.0", lifespan=lifespan, **docs)
     fastapi_app.state.server = state
     _install_error_handlers(fastapi_app)
     _add_routes(fastapi_app, state)
@@ -122,6 +149,11 @@ def _describe_api(fastapi_app: FastAPI, model_name: str) -> None:
     def openapi() -> dict:
         if fastapi_app.openapi_schema is None:
             schema = FastAPI.openapi(fastapi_app)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
             for name, example in examples.items():
                 component = schema["components"]["schemas"][name]
                 component["properties"]["model"]["enum"] = [model_name]
@@ -134,6 +166,14 @@ def _describe_api(fastapi_app: FastAPI, model_name: str) -> None:
         return fastapi_app.openapi_schema
 
     fastapi_app.openapi = openapi
+
+
+def _kv_capacity_tokens(engine) -> int | None:
+    """Token positions one request can hold in the KV pool (None for engines without a paged pool)."""
+    kv = getattr(getattr(engine, "scheduler", None), "kv", None)
+    if kv is None:
+        return None
+    return kv.num_usable_blocks * kv.block_size
 
 
 def _smoke_request(engine) -> None:
@@ -176,7 +216,7 @@ def _install_error_handlers(fastapi_app: FastAPI) -> None:
 
     @fastapi_app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc: RequestValidationError):
-        message, param = _describe_validation_error(exc.errors())
+        message, param = describe_validation_error(exc.errors())
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @fastapi_app.exception_handler(StarletteHTTPException)
@@ -189,21 +229,6 @@ def _install_error_handlers(fastapi_app: FastAPI) -> None:
     async def internal_error(_request, exc: Exception):
         log.exception("unhandled error")
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"), status_code=500)
-
-
-def _describe_validation_error(errors) -> tuple[str, str | None]:
-    if not errors:
-        return "invalid request", None
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    if e.get("type") == "json_invalid":
-        return f"invalid JSON body: {e.get('ctx', {}).get('error', 'decode error')} at position {loc[0]}", None
-    param = ".".join(loc) or None
-    if e.get("type") == "extra_forbidden":
-        return f"Unrecognized request argument supplied: {param}", param
-    if param is None:
-        return f"the request body must be a JSON object ({e.get('msg')})", None
-    return f"{param}: {e.get('msg')}", param
 
 
 # Routes -------------------------------------------------------------------------------------------------------
@@ -225,6 +250,10 @@ def _add_routes(fastapi_app: FastAPI, state: ServerState) -> None:
 
     auth = [Depends(authorize)]
 
+    async def read(request: Request, model):
+        authorize(request)  # before a byte of the body is read
+        return await http.read_model(request, model, state.max_body_bytes, state.body_timeout_s)
+
     @fastapi_app.get("/health")
     async def health():
         if state.llm is not None and state.engine.ready and not state.draining:
@@ -233,7 +262,9 @@ def _add_routes(fastapi_app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"status": reason}, status_code=503)
 
     @fastapi_app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if state.protect_metrics:
+            authorize(request)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @fastapi_app.get("/v1/models", dependencies=auth, responses=_ERRORS)
@@ -252,26 +283,70 @@ def _add_routes(fastapi_app: FastAPI, state: ServerState) -> None:
             ],
         }
 
-    @fastapi_app.post("/v1/completions", dependencies=auth, responses=_ERRORS)
-    async def completions(body: CompletionRequest, request: Request):
-        return await handlers.completions(state, body, request)
+    @fastapi_app.post("/v1/completions", responses=_ERRORS, openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        async def run():
+            return await handlers.completions(state, await read(request, CompletionRequest), request)
 
-    @fastapi_app.post("/v1/chat/completions", dependencies=auth, responses=_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await handlers.chat(state, body, request)
+        return await _trimmed(request, run())
+
+    @fastapi_app.post("/v1/chat/completions", responses=_ERRORS, openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        async def run():
+            return await handlers.chat(state, await read(request, ChatCompletionRequest), request)
+
+        return await _trimmed(request, run())
+
+
+def _body_schema(model) -> dict:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+async def _trimmed(request: Request, handler):
+    """Awaits the handler; after a large body, hands the freed heap back to the OS (serving/api/http.py) a
+    moment later, once the response and any error holding the parsed body have been dropped."""
+    try:
+        return await handler
+    finally:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > http.LARGE_BODY_BYTES:
+            http.schedule_trim()
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn server that marks the app as draining (503 for new requests, /health 503) on SIGTERM/SIGINT,
     while uvicorn stops listening and waits for in-flight requests; after a complete drain the process exits 0
-    (uvicorn would re-raise the signal and die by it)."""
+    (uvicorn would re-raise the signal and die by it).
+
+    Args:
+      config: uvicorn's; its timeout_graceful_shutdown should leave a few seconds past drain_timeout_s.
+      drain_timeout_s: how long in-flight requests may run after the signal; then the handlers end them with an
+        OpenAI error saying the server is shutting down (streams: an error event and [DONE]). Default: uvicorn's
+        timeout_graceful_shutdown less 2 s (unbounded without one).
+    """
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float | None = None):
+        super().__init__(config)
+        grace = config.timeout_graceful_shutdown
+        self.drain_timeout_s = (
+            drain_timeout_s if drain_timeout_s is not None else (math.inf if grace is None else max(0.0, grace - 2.0))
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _state(self) -> ServerState | None:
         return getattr(getattr(self.config.app, "state", None), "server", None)
 
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
     def handle_exit(self, sig, frame) -> None:
-        if self._state() is not None:
-            self._state().draining = True
+        state = self._state()
+        if state is not None and not state.draining:
+            state.draining = True
+            if self._loop is not None and math.isfinite(self.drain_timeout_s):
+                self._loop.call_soon_threadsafe(self._loop.call_later, self.drain_timeout_s, state.shutdown_now.set)
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:

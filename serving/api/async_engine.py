@@ -9,7 +9,10 @@ between steps and runs `step()` while anything is unfinished. The event loop nev
     abort(stream)               -- command queue --->   engine.abort(ids): KV blocks freed
     async for out in stream     <-- loop.call_soon_threadsafe(deliver, outputs of one step) --
                                                         step() -> RequestOutputs
-                                                        stats() snapshot after every step (for /metrics)
+                                                        stats() snapshot after every step
+    await call(fn)              -- command queue --->   fn() between steps (prompt scoring), result back
+    live_stats() (a /metrics scrape): the snapshot with queue and running counts read now, plus the submissions
+    still in the command queue, so the gauges do not lag behind a long step.
 
 One HTTP request is one `RequestStream`, fed by one or more engine requests (OpenAI's `n`, or a list of
 prompts). A stream ends when all its engine requests have finished; an engine error ends it with `EngineError`.
@@ -159,6 +162,7 @@ class AsyncEngine:
         self.load_error: BaseException | None = None
         self.stats = EngineStats()
         self.load_seconds: float | None = None
+        self._num_pending = 0  # engine requests submitted but not yet applied by the engine thread
 
     # Lifecycle (event loop) ----------------------------------------------------------------------------------
 
@@ -209,6 +213,7 @@ class AsyncEngine:
         with self._dead_lock:  # so that _die either sees this command or submit sees _dead
             if self._dead:
                 raise EngineNotReadyError(self.not_ready_reason())
+            self._num_pending += len(specs)
             self._commands.put(("add", stream, tuple(specs)))
         try:
             await stream.wait_accepted()
@@ -216,6 +221,27 @@ class AsyncEngine:
             self.abort(stream)
             raise
         return stream
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Runs fn() on the engine thread between steps (so it never races a step on the device) and returns
+        its result; raises what fn raised, or EngineNotReadyError when the engine is not serving."""
+        if not self.ready:
+            raise EngineNotReadyError(self.not_ready_reason())
+        future = self._loop.create_future()
+        self._commands.put(("call", fn, future))
+        return await future
+
+    def live_stats(self) -> EngineStats:
+        """The last snapshot with the waiting and running counts read now (ints the engine thread updates; a
+        scrape may see them one command apart) plus the submissions not yet applied."""
+        s, engine = self.stats, self.engine
+        if engine is None or not self._ready.is_set():
+            return s
+        try:
+            waiting, running = engine.scheduler.num_waiting, len(engine.scheduler.running)
+        except (AttributeError, RuntimeError):  # a fake engine, or a container resized while read
+            waiting, running = s.num_waiting, s.num_running
+        return dataclasses.replace(s, num_waiting=waiting + self._num_pending, num_running=running)
 
     def abort(self, stream: RequestStream) -> None:
         """Ends the stream's unfinished requests and frees their KV blocks (safe to call more than once)."""
@@ -286,6 +312,8 @@ class AsyncEngine:
                 break
             if cmd[0] == "add":
                 streams[id(cmd[1])] = cmd[1]
+            elif cmd[0] == "call":
+                self._call_loop(_fail_future, cmd[2], error)
         for stream in streams.values():
             self._post(stream, error)
 
@@ -305,11 +333,26 @@ class AsyncEngine:
                 self._add(cmd[1], cmd[2])
             elif cmd[0] == "abort":
                 self._abort(cmd[1])
+            elif cmd[0] == "call":
+                self._call(cmd[1], cmd[2])
         except Exception as e:  # noqa: BLE001 - a bug here must fail one request, not the engine thread
             log.exception("engine command %s failed", cmd[0])
             self._deliver_error(cmd[1], EngineError(f"internal error: {type(e).__name__}: {e}"))
 
+    def _call(self, fn: Callable[[], Any], future: asyncio.Future) -> None:
+        try:
+            result, error = fn(), None
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+
+        def settle():
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        self._call_loop(settle)
+
     def _add(self, stream: RequestStream, specs: tuple[RequestSpec, ...]) -> None:
+        self._call_loop(self._applied, len(specs))
         if stream.cancelled:
             return
         waiting = self.engine.scheduler.num_waiting
@@ -332,6 +375,9 @@ class AsyncEngine:
         for rid in added:
             self._streams[rid] = stream
         self._post(stream, _ACCEPTED)
+
+    def _applied(self, n: int) -> None:  # on the loop, so that _num_pending has one writer
+        self._num_pending -= n
 
     def _abort(self, stream: RequestStream) -> None:
         for rid in stream.request_ids:
@@ -403,3 +449,8 @@ def _deliver(batch: list[tuple[RequestStream, list[RequestOutput]]]) -> None:
     for stream, outs in batch:
         for out in outs:
             stream._put(out)
+
+
+def _fail_future(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,9 +1,12 @@
 """The /v1 completion and chat handlers of the HTTP app (serving/api/app.py routes requests here).
 
-A handler validates what pydantic cannot (serving/api/protocol.py), tokenises, checks the context length, turns
-the body into SamplingParams (validated there, once), and submits one engine request per choice to the
-AsyncEngine. Outputs come back on an asyncio queue per HTTP request: gathered into one response, or streamed as
-server-sent events. A client that disconnects aborts its requests (their KV blocks are freed).
+A handler checks what pydantic cannot (serving/api/protocol.py), counts the sequences a request asks for
+(prompts x n, or best_of) before encoding anything, tokenises and renders the chat template on a worker thread
+(so a large prompt never stalls the event loop), checks the context length, turns the body into SamplingParams
+(validated there, once), and submits one engine request per choice to the AsyncEngine. Outputs come back on an
+asyncio queue per HTTP request: gathered into one response, or streamed as server-sent events. A client that
+disconnects aborts its requests (their KV blocks are freed); past the drain deadline of a shutdown, requests end
+with an OpenAI error saying so.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,24 +32,34 @@ from serving.api.async_engine import (
     RequestSpec,
     RequestStream,
 )
-from serving.api.metrics import ServerMetrics
-from serving.api.protocol import (
-    ChatCompletionRequest,
+from serving.api.formats import (
     ChatFormat,
     Choice,
     CompletionFormat,
-    CompletionRequest,
-    OpenAIError,
     absorb,
     check_output,
+    num_tokens,
+    prompt_logprobs,
+)
+from serving.api.metrics import ServerMetrics
+from serving.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
     check_text,
     error_body,
+    shutting_down_error,
 )
 
 
 @dataclasses.dataclass
 class ServerState:
-    """What the handlers share: the engine bridge, the loaded LLM (tokenizer, limits) and settings."""
+    """What the handlers share: the engine bridge, the loaded LLM (tokenizer, limits) and settings.
+
+    Attributes:
+      kv_capacity_tokens: token positions one request can hold in the KV pool (None: unknown).
+      shutdown_now: set when the drain deadline of a shutdown has passed.
+    """
 
     engine: AsyncEngine
     model_name: str
@@ -53,13 +67,19 @@ class ServerState:
     metrics: ServerMetrics
     llm: Any = None
     draining: bool = False
+    kv_capacity_tokens: int | None = None
+    max_body_bytes: int = 16 << 20
+    body_timeout_s: float = 60.0
+    protect_metrics: bool = False
+    shutdown_now: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     def require_ready(self):
         if self.llm is None or not self.engine.ready or self.draining:
-            reason = "the server is shutting down" if self.draining else self.engine.not_ready_reason()
+            if self.draining:
+                raise shutting_down_error()
             raise OpenAIError(
                 503,
-                f"service unavailable: {reason}",
+                f"service unavailable: {self.engine.not_ready_reason()}",
                 type="server_error",
                 code="service_unavailable",
                 headers={"Retry-After": "5"},
@@ -75,12 +95,22 @@ class ServerState:
                 code="model_not_found",
             )
 
+    def check_count(self, num_sequences: int, param: str) -> None:
+        """Refuses a request for more sequences than the queue holds, before anything is encoded."""
+        if num_sequences > max(1, self.engine.max_queue):
+            raise OpenAIError(
+                400,
+                f"the request asks for {num_sequences} sequences (prompts x {param}); this server queues at "
+                f"most {self.engine.max_queue}",
+                param=param,
+            )
+
 
 # Completions ---------------------------------------------------------------------------------------------------
 
 
 def _completion_prompts(llm, prompt) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt of a completions request."""
+    """(text or None, token ids) per prompt of a completions request (on a worker thread)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
@@ -114,42 +144,112 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     state.check_model(body.model)
     if body.suffix:
         raise OpenAIError(400, "suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise OpenAIError(400, "best_of must equal n (best-of reranking is not supported)", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-    prompts = _completion_prompts(llm, body.prompt)
-    max_tokens = body.max_tokens or 16
+    n_seq = body.best_of or body.n
+    state.check_count(body.num_prompts() * n_seq, "n" if body.best_of is None else "best_of")
+    prompts = await asyncio.to_thread(_completion_prompts, llm, body.prompt)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for _, ids in prompts:
         _check_context(llm, len(ids), max_tokens, "prompt")
-    params = body.sampling_params(max_tokens, body.logprobs, llm.config.vocab_size)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    choices, specs = _fan_out(rid, prompts, params, body.n)
-    stream = await _submit(state, specs)
     n_prompt = sum(len(ids) for _, ids in prompts)
-    echo = [(text if text is not None else llm.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
-    fmt = CompletionFormat(rid, state.model_name, llm.tokenizer.token_text, echo)
+    tok = llm.tokenizer
+    echo = [(text if text is not None else tok.decode(ids)) if body.echo else "" for text, ids in prompts]
+    prompt_lps = None
+    if body.echo and body.logprobs is not None:
+        prompt_lps = [await _score_prompt(state, llm, ids, body.logprobs) for _, ids in prompts]
+    fmt = CompletionFormat(rid, state.model_name, tok.token_text, echo, prompt_lps, body.logprobs is not None)
+    if max_tokens == 0:  # echo only: the prompt (and its logprobs), nothing generated
+        choices = [
+            Choice(p * body.n + i, f"{rid}-{p * body.n + i}", p, finish_reason="length")
+            for p in range(len(prompts))
+            for i in range(body.n)
+        ]
+        return fmt.response(choices, n_prompt)
+    ranked = n_seq > body.n  # best_of: the sampled tokens' logprobs rank the candidates
+    logprobs = max(body.logprobs or 0, 0) if ranked else body.logprobs
+    params = body.sampling_params(max_tokens, logprobs, llm.config.vocab_size)
+    choices, specs = _fan_out(rid, prompts, params, n_seq)
+    stream = await _submit(state, specs)
     if body.stream:
         return _sse(state, stream, fmt.chunks(stream, choices, n_prompt, body.include_usage), n_prompt, choices)
     await _collect(state, stream, request, choices, n_prompt)
-    return fmt.response(choices, n_prompt)
+    if not ranked:
+        return fmt.response(choices, n_prompt)
+    return fmt.response(best_choices(choices, body.n), n_prompt, num_generated=num_tokens(choices))
+
+
+def best_choices(choices: list[Choice], n: int) -> list[Choice]:
+    """Per prompt, the n candidates with the highest cumulative logprob, re-indexed prompt * n + rank."""
+    out = []
+    for p in sorted({c.prompt_index for c in choices}):
+        ranked = sorted((c for c in choices if c.prompt_index == p), key=lambda c: -c.cumulative_logprob)
+        out.extend(dataclasses.replace(c, index=p * n + i) for i, c in enumerate(ranked[:n]))
+    return out
+
+
+async def _score_prompt(state: ServerState, llm, ids: list[int], k: int) -> dict:
+    """The prompt's logprobs (echo + logprobs), scored on the engine thread between steps. The ids are padded
+    to a power of two (>= 16, <= max_model_len) so that few shapes compile; causal attention keeps the padding
+    out of the real positions' logits."""
+    size = min(llm.max_model_len, max(16, 1 << (len(ids) - 1).bit_length()))
+    padded = list(ids) + [ids[-1]] * (size - len(ids))
+    try:
+        logits = await state.engine.call(lambda: llm.score(padded))
+    except (EngineNotReadyError, EngineError) as e:
+        raise OpenAIError(503, f"service unavailable: {e}", type="server_error", code="service_unavailable") from e
+    return await asyncio.to_thread(prompt_logprobs, logits, ids, k, llm.tokenizer.token_text)
 
 
 # Chat ----------------------------------------------------------------------------------------------------------
 
 
+def _chat_prompt(llm, body: ChatCompletionRequest, use_tools: bool) -> tuple[str | None, list[int]]:
+    """(rendered text or None, token ids) of a chat request (on a worker thread)."""
+    if body.prompt_token_ids is not None:
+        try:
+            return None, llm.encode_prompt(body.prompt_token_ids)
+        except ValueError as e:
+            raise OpenAIError(400, f"prompt_token_ids: {e}", param="prompt_token_ids") from e
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if use_tools else None
+    try:
+        text = llm.tokenizer.apply_chat_template(body.template_messages(), tools=tools)
+        return text, llm.encode_prompt(text)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise OpenAIError(400, f"cannot render the chat template: {e}", param="messages") from e
+
+
+def _default_max_tokens(state: ServerState, llm, prompt_len: int) -> int:
+    """Without max_tokens a chat completion may run to the end of the context, clamped to what one request
+    can hold in the KV pool (a pool smaller than one full context must not turn the default into a 400)."""
+    room = llm.max_model_len - prompt_len
+    if state.kv_capacity_tokens is not None:
+        room = min(room, state.kv_capacity_tokens - prompt_len)
+    if room < 1:
+        raise OpenAIError(
+            400,
+            f"the prompt has {prompt_len} tokens and leaves no room for a completion (context "
+            f"{llm.max_model_len} tokens, KV pool {state.kv_capacity_tokens} tokens per request)",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return room
+
+
 async def chat(state: ServerState, body: ChatCompletionRequest, request: Request):
     llm = state.require_ready()
     state.check_model(body.model)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    try:
-        text = llm.tokenizer.apply_chat_template(body.template_messages())
-        ids = llm.encode_prompt(text)
-    except (ValueError, jinja2.TemplateError) as e:
-        raise OpenAIError(400, f"cannot render the chat template: {e}", param="messages") from e
+    state.check_count(body.n, "n")
+    if body.tool_choice is not None and body.tool_choice not in ("none", "auto"):
+        raise OpenAIError(
+            400,
+            "tool_choice 'required' or a named function is not supported yet (it needs constrained decoding); "
+            "use 'auto' or 'none'",
+            param="tool_choice",
+        )
+    use_tools = bool(body.tools) and body.tool_choice != "none"
+    text, ids = await asyncio.to_thread(_chat_prompt, llm, body, use_tools)
     requested = body.max_completion_tokens or body.max_tokens
-    max_tokens = requested or max(1, llm.max_model_len - len(ids))
+    max_tokens = requested or _default_max_tokens(state, llm, len(ids))
     _check_context(llm, len(ids), max_tokens, "messages")
     params = body.sampling_params(
         max_tokens, (body.top_logprobs or 0) if body.logprobs else None, llm.config.vocab_size
@@ -157,7 +257,7 @@ async def chat(state: ServerState, body: ChatCompletionRequest, request: Request
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices, specs = _fan_out(rid, [(text, ids)], params, body.n)
     stream = await _submit(state, specs)
-    fmt = ChatFormat(rid, state.model_name, llm.tokenizer.token_text)
+    fmt = ChatFormat(rid, state.model_name, llm.tokenizer.token_text, parse_tools=use_tools)
     if body.stream:
         return _sse(state, stream, fmt.chunks(stream, choices, len(ids), body.include_usage), len(ids), choices)
     await _collect(state, stream, request, choices, len(ids))
@@ -179,19 +279,23 @@ def _fan_out(rid: str, prompts, params, n: int) -> tuple[list[Choice], list[Requ
     return choices, specs
 
 
+_INTERNAL_ID = re.compile(r"request '[^']*' rejected: |'?(chat)?cmpl-[0-9a-f]{32}(-\d+)?'?\s*")
+
+
+def public_message(message: str) -> str:
+    """An engine message without the server's internal request ids."""
+    return _INTERNAL_ID.sub("", message).strip() or "the request was refused"
+
+
 async def _submit(state: ServerState, specs: list[RequestSpec]) -> RequestStream:
-    if len(specs) > max(1, state.engine.max_queue):
-        raise OpenAIError(
-            400,
-            f"the request asks for {len(specs)} sequences (prompts x n); this server queues at "
-            f"most {state.engine.max_queue}",
-            param="n",
-        )
+    state.check_count(len(specs), "n")
     try:
         return await state.engine.submit(specs)
     except QueueFullError as e:
         raise OpenAIError(503, str(e), type="server_error", code="queue_full", headers={"Retry-After": "1"}) from e
     except EngineNotReadyError as e:
+        if state.draining:
+            raise shutting_down_error() from e
         raise OpenAIError(
             503,
             f"service unavailable: {e}",
@@ -200,9 +304,9 @@ async def _submit(state: ServerState, specs: list[RequestSpec]) -> RequestStream
             headers={"Retry-After": "5"},
         ) from e
     except ValueError as e:
-        raise OpenAIError(400, str(e)) from e
+        raise OpenAIError(400, public_message(str(e))) from e
     except EngineError as e:
-        raise OpenAIError(500, f"generation failed: {e}", type="server_error", code="engine_error") from e
+        raise OpenAIError(500, f"generation failed: {public_message(str(e))}", type="server_error") from e
 
 
 def _finish_reasons(choices: list[Choice]) -> dict[str, str | None]:
@@ -212,7 +316,8 @@ def _finish_reasons(choices: list[Choice]) -> dict[str, str | None]:
 async def _collect(
     state: ServerState, stream: RequestStream, request: Request, choices: list[Choice], n_prompt: int
 ) -> None:
-    """Gathers every output of a non-streaming request, aborting it if the client goes away first."""
+    """Gathers every output of a non-streaming request, aborting it if the client goes away first or the
+    drain deadline passes."""
     by_id = {c.request_id: c for c in choices}
 
     async def gather():
@@ -222,16 +327,19 @@ async def _collect(
 
     work = asyncio.ensure_future(gather())
     watch = asyncio.ensure_future(_wait_disconnect(request))
+    deadline = asyncio.ensure_future(state.shutdown_now.wait())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, watch, deadline}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
+            if deadline.done():
+                raise shutting_down_error()
             raise OpenAIError(499, "client disconnected", code="client_disconnected")
         work.result()
     except EngineError as e:
-        raise OpenAIError(500, f"generation failed: {e}", type="server_error", code="engine_error") from e
+        raise OpenAIError(500, f"generation failed: {public_message(str(e))}", type="server_error") from e
     finally:
-        watch.cancel()
-        work.cancel()
+        for task in (watch, work, deadline):
+            task.cancel()
         state.engine.abort(stream)
         state.metrics.observe_stream(stream, n_prompt, _finish_reasons(choices))
 
@@ -241,11 +349,34 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _until_shutdown(chunks: AsyncIterator[dict], shutdown: asyncio.Event) -> AsyncIterator[dict]:
+    """The chunks, until the drain deadline passes (then raises shutting_down_error())."""
+    deadline = asyncio.ensure_future(shutdown.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(chunks))
+            await asyncio.wait({step, deadline}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                raise shutting_down_error()
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        deadline.cancel()
+
+
 def _sse(
     state: ServerState, stream: RequestStream, chunks: AsyncIterator[dict], n_prompt: int, choices: list[Choice]
 ) -> StreamingResponse:
     """Server-sent events. A disconnect cancels this generator (Starlette), whose `finally` aborts the request;
-    the background task covers a disconnect before the generator ever started."""
+    the background task covers a disconnect before the generator ever started. An engine failure or the drain
+    deadline ends the stream with an OpenAI error event, then [DONE]."""
     ended = False
 
     async def end():
@@ -257,11 +388,12 @@ def _sse(
 
     async def events():
         try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+            async for chunk in _until_shutdown(chunks, state.shutdown_now):
+                yield _event(chunk)
         except EngineError as e:
-            body = error_body(f"generation failed: {e}", type="server_error", code="engine_error")
-            yield f"data: {json.dumps(body)}\n\n"
+            yield _event(error_body(f"generation failed: {public_message(str(e))}", type="server_error"))
+        except OpenAIError as e:
+            yield _event(e.body())
         finally:
             await end()
         yield "data: [DONE]\n\n"

@@ -1,10 +1,11 @@
 """Prometheus metrics of the HTTP server.
 
-Counters and histograms are updated by the request handlers on the event loop; engine gauges (queue, running
-sequences, KV blocks, prefix-cache hit rate) and counters (preemptions, engine steps, failed steps) are read at
-scrape time from the snapshot the engine thread publishes after every step, so a scrape never touches the
-engine. Each server owns its own registry, so
-several servers (tests) can live in one process.
+Counters and histograms are updated by the request handlers on the event loop; engine gauges and counters are
+read at scrape time from `AsyncEngine.live_stats()`: queue length and running sequences as they are now
+(including submissions the engine thread has not applied yet, so a long step does not hide a queue), KV blocks,
+prefix-cache hit rate, preemptions, steps and failed steps from the snapshot published after every step. A
+scrape never waits for the engine. Each server owns its own registry, so several servers (tests) can live in
+one process.
 """
 
 from __future__ import annotations

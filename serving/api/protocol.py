@@ -1,27 +1,19 @@
-"""OpenAI-compatible request models and response builders for serving/server.py.
+"""OpenAI-compatible request models for serving/server.py (responses are built in serving/api/formats.py).
 
-Requests are pydantic models that reject unknown top-level fields (as OpenAI does), NaN/Infinity and values
-outside OpenAI's ranges; their JSON schema is what /openapi.json publishes and what the fuzz test explores.
-Extensions beyond OpenAI use vLLM's names (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids). Responses are plain dicts in OpenAI's shapes: `CompletionFormat` and `ChatFormat` build the
-whole response of a finished request, or the server-sent-event chunks of a streamed one from engine outputs.
+Requests are strict pydantic models: unknown top-level fields, NaN/Infinity, values outside OpenAI's ranges and
+wrong JSON types (`"stream": "yes"`, a float token id) are refused with a 400 naming the field, never coerced or
+dropped. Their JSON schema is what /openapi.json publishes and what the fuzz test explores. Extensions beyond
+OpenAI use vLLM's names (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, and
+`prompt_token_ids` on chat: token ids sent instead of `messages`, used as the whole prompt, no template applied).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import time
-from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serving.api.async_engine import EngineError, RequestStream
 from serving.core.request import SamplingParams
-
-# OpenAI's logprob floor for tokens the model gives no probability (JSON has no -Infinity).
-MIN_LOGPROB = -9999.0
 
 
 class OpenAIError(Exception):
@@ -51,8 +43,26 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def shutting_down_error() -> OpenAIError:
+    return OpenAIError(
+        503,
+        "the server is shutting down; retry on another replica or later",
+        type="server_error",
+        code="server_shutting_down",
+        headers={"Retry-After": "5"},
+    )
+
+
+# What a field accepts, for the message when a value matches no member of its union type.
+UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids (integers) or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Strict):
@@ -74,7 +84,7 @@ class _SamplingRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=300)
     # Extensions (vLLM's names).
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -82,6 +92,12 @@ class _SamplingRequest(_Strict):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=64)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -93,10 +109,11 @@ class _SamplingRequest(_Strict):
         """Engine parameters (OpenAI defaults: temperature 1, top_p 1); raises OpenAIError when invalid.
 
         Values the device would overflow on are normalised: top_k >= vocab_size is off, a temperature below
-        1e-5 is greedy (as in vLLM), and stop_token_ids must be vocabulary ids.
+        1e-5 is greedy (as in vLLM), and stop_token_ids must be vocabulary ids. A logit_bias whose values are all
+        0 changes nothing; any other is refused (the device sampler has no bias input yet).
         """
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.logit_bias and any(v != 0 for v in self.logit_bias.values()):
+            raise OpenAIError(400, "logit_bias is not supported by this server yet", param="logit_bias")
         bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
         if bad:
             raise OpenAIError(400, f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}", param="stop_token_ids")
@@ -133,16 +150,29 @@ def _default(value, default):
 
 
 class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions."""
+    """POST /v1/completions. `max_tokens` 0 is allowed with `echo` (score the prompt only)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a string, a list of strings, a list of token ids, or a list of token-id lists"
-    )
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(description=UNION_FIELDS["prompt"])
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1, le=128)
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_combinations(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 needs echo=true (it scores the prompt without generating)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best choices are known only at the end)")
+        return self
+
+    def num_prompts(self) -> int:
+        """How many prompts the body holds, counted without encoding anything."""
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
 
 
 class TextPart(_Strict):
@@ -156,9 +186,19 @@ class ChatMessage(_Strict):
     name: str | None = Field(None, max_length=256)
     # Fields that OpenAI responses carry, so a client can send an assistant message back as it received it.
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
     annotations: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _check_role(self):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
+            raise ValueError(f"content must not be null in a {self.role!r} message")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -170,32 +210,69 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    messages: list[ChatMessage] = Field(default_factory=list, max_length=4096)
+    prompt_token_ids: list[int] | None = Field(
+        None, description="extension: the prompt as token ids, instead of messages (no chat template applied)"
+    )
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default"] | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them; raises OpenAIError for unsupported or bad content."""
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported by this server", param="tools")
+    @model_validator(mode="after")
+    def _check_prompt(self):
+        if bool(self.messages) == (self.prompt_token_ids is not None):
+            raise ValueError("send either messages (at least one) or prompt_token_ids, not both")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them; raises OpenAIError for bad content."""
         out = []
         for i, m in enumerate(self.messages):
             text = m.text()
             check_text(text, f"messages[{i}].content")
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": text} | ({"name": m.name} if m.name else {}))
+            msg = {"role": role, "content": text} | ({"name": m.name} if m.name else {})
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
         return out
 
 
@@ -207,221 +284,31 @@ def check_text(text: str, param: str) -> None:
         raise OpenAIError(400, f"{param} is not valid UTF-8 text: {e.reason} at position {e.start}", param=param) from e
 
 
-# Responses ----------------------------------------------------------------------------------------------------
+def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
+    """One OpenAI-style message (and its `param`) for pydantic's errors: the first error, or, when a value
+    matched no member of a union type, what the field accepts."""
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    leaf = [x for x in loc if not x.isdigit()]
+    field = leaf[-2] if len(leaf) >= 2 and leaf[-1] in _TYPE_TAGS else (leaf[-1] if leaf else None)
+    tagged = len(loc) > 1 and any(x in _TYPE_TAGS or "[" in x for x in loc)
+    if tagged and field in UNION_FIELDS:
+        path = ".".join(x for x in loc if x not in _TYPE_TAGS and "[" not in x)
+        return f"{path} must be {UNION_FIELDS[field]}; got {_short(e.get('input'))}", path
+    param = ".".join(x for x in loc if x not in _TYPE_TAGS and "[" not in x) or None
+    if e.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None:
+        return (msg if e.get("type") == "value_error" else f"the request body must be a JSON object ({msg})"), None
+    return f"{param}: {msg}", param
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after", "literal"})
 
 
-def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict:
-    return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
-
-
-def finite_logprob(x: float) -> float:
-    return x if math.isfinite(x) else MIN_LOGPROB
-
-
-class CompletionLogprobs:
-    """Accumulates OpenAI completions logprobs ({tokens, token_logprobs, top_logprobs, text_offset})."""
-
-    def __init__(self, token_text, offset: int = 0):
-        self._token_text = token_text
-        self._offset = offset
-
-    def block(self, token_ids: Sequence[int], entries: Sequence[Any]) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, (lp, top) in zip(token_ids, entries):
-            text = self._token_text(tid)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(finite_logprob(lp))
-            out["top_logprobs"].append({self._token_text(i): finite_logprob(v) for i, v in top})
-            out["text_offset"].append(self._offset)
-            self._offset += len(text)
-        return out
-
-    @staticmethod
-    def merge(blocks: Sequence[dict]) -> dict | None:
-        if not blocks:
-            return None
-        return {
-            k: [x for b in blocks for x in b[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-        }
-
-
-def chat_logprobs(token_text, token_ids: Sequence[int], entries: Sequence[Any]) -> list[dict]:
-    """OpenAI chat `logprobs.content` entries for generated tokens."""
-    content = []
-    for tid, (lp, top) in zip(token_ids, entries):
-        text = token_text(tid)
-        content.append(
-            {
-                "token": text,
-                "logprob": finite_logprob(lp),
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": token_text(i), "logprob": finite_logprob(v), "bytes": list(token_text(i).encode("utf-8"))}
-                    for i, v in top
-                ],
-            }
-        )
-    return content
-
-
-# Choices and response formats ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Choice:
-    """One sequence of a response: an engine request and what it has produced so far."""
-
-    index: int
-    request_id: str
-    prompt_index: int
-    text: list[str] = dataclasses.field(default_factory=list)
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[Any] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    started: bool = False  # a stream chunk has been sent for this choice
-
-
-def check_output(out) -> None:
-    if out.finish_reason == "error":
-        raise EngineError(out.finish_message or "the engine failed this request")
-
-
-def absorb(c: Choice, out) -> None:
-    c.text.append(out.text)
-    c.token_ids.extend(out.new_token_ids)
-    if out.new_logprobs:
-        c.logprobs.extend(out.new_logprobs)
-    if out.finished:
-        c.finish_reason = out.finish_reason
-
-
-def num_tokens(choices: list[Choice]) -> int:
-    return sum(len(c.token_ids) for c in choices)
-
-
-def attach_usage(chunk: dict, stream: RequestStream, choices, n_prompt: int, include_usage: bool) -> None:
-    """OpenAI puts usage only in the extra last chunk (include_usage); we also put it in the chunk that ends
-    the stream, so that clients without stream_options see it."""
-    chunk["usage"] = None
-    if stream.finished and not include_usage:
-        chunk["usage"] = usage(n_prompt, num_tokens(choices))
-
-
-class CompletionFormat:
-    def __init__(self, rid: str, model: str, token_text, echo: list[str]):
-        self.rid, self.model, self.token_text, self.echo = rid, model, token_text, echo
-        self.created = envelope(rid, "", model)["created"]
-
-    def _head(self) -> dict:
-        return envelope(self.rid, "text_completion", self.model, self.created)
-
-    def response(self, choices: list[Choice], n_prompt: int) -> dict:
-        out = self._head()
-        out["choices"] = []
-        for c in choices:
-            lp = CompletionLogprobs(self.token_text).block(c.token_ids, c.logprobs) if c.logprobs else None
-            out["choices"].append(
-                {
-                    "index": c.index,
-                    "text": self.echo[c.prompt_index] + "".join(c.text),
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                }
-            )
-        out["usage"] = usage(n_prompt, sum(len(c.token_ids) for c in choices))
-        return out
-
-    async def chunks(
-        self, stream: RequestStream, choices: list[Choice], n_prompt: int, include_usage: bool
-    ) -> AsyncIterator[dict]:
-        by_id = {c.request_id: c for c in choices}
-        lps = {c.request_id: CompletionLogprobs(self.token_text) for c in choices}
-        async for out in stream:
-            c = by_id[out.request_id]
-            check_output(out)
-            absorb(c, out)
-            lp = lps[c.request_id].block(out.new_token_ids, out.new_logprobs) if out.new_logprobs else None
-            text = ("" if c.started else self.echo[c.prompt_index]) + out.text
-            if not (text or lp or out.finished):
-                continue
-            c.started = True
-            chunk = self._head()
-            chunk["choices"] = [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}]
-            attach_usage(chunk, stream, choices, n_prompt, include_usage)
-            yield chunk
-        if include_usage:
-            yield self._head() | {"choices": [], "usage": usage(n_prompt, num_tokens(choices))}
-
-
-class ChatFormat:
-    def __init__(self, rid: str, model: str, token_text):
-        self.rid, self.model, self.token_text = rid, model, token_text
-        self.created = envelope(rid, "", model)["created"]
-
-    def _head(self, obj: str) -> dict:
-        return envelope(self.rid, obj, self.model, self.created)
-
-    def response(self, choices: list[Choice], n_prompt: int) -> dict:
-        out = self._head("chat.completion")
-        out["choices"] = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": {"content": chat_logprobs(self.token_text, c.token_ids, c.logprobs)}
-                if c.logprobs
-                else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]
-        out["usage"] = usage(n_prompt, num_tokens(choices))
-        return out
-
-    async def chunks(
-        self, stream: RequestStream, choices: list[Choice], n_prompt: int, include_usage: bool
-    ) -> AsyncIterator[dict]:
-        by_id = {c.request_id: c for c in choices}
-        head = self._head("chat.completion.chunk")
-        yield head | {
-            "choices": [
-                {
-                    "index": c.index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for c in choices
-            ]
-        }
-        async for out in stream:
-            c = by_id[out.request_id]
-            check_output(out)
-            absorb(c, out)
-            lp = (
-                {"content": chat_logprobs(self.token_text, out.new_token_ids, out.new_logprobs)}
-                if out.new_logprobs
-                else None
-            )
-            if not (out.text or lp or out.finished):
-                continue
-            chunk = dict(head)
-            chunk["choices"] = [
-                {
-                    "index": c.index,
-                    "delta": {"content": out.text} if out.text else {},
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                }
-            ]
-            attach_usage(chunk, stream, choices, n_prompt, include_usage)
-            yield chunk
-        if include_usage:
-            yield head | {"choices": [], "usage": usage(n_prompt, num_tokens(choices))}
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

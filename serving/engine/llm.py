@@ -1,8 +1,14 @@
 """The public Python API: `from serving import LLM`.
 
 llm = LLM()                                    # the embedded SmolLM2-135M-Instruct
-outs = llm.generate(["Hello"], max_tokens=32)  # texts and token ids
+outs = llm.generate(["Hello"], max_tokens=32)  # texts, token ids, logprobs (logprobs=0) and seeds
 logits = llm.score([1, 2, 3])                  # float32 [len, vocab]
+
+Embedded in research code (one process, one runtime; docs in the README's Python API section):
+
+llm = LLM.from_params(model_cfg, params, tokenizer=tok, max_num_seqs=8)   # or LLM.from_model(nnx_module, tok)
+lps = llm.logprobs(prompts, continuations)     # batched, paged, prompts shared through the prefix cache
+llm.update_weights(new_params)                 # in place: no recompilation, no second copy, prefix cache cleared
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,11 +27,15 @@ import numpy as np
 from flax import nnx
 
 from checkpoints.loader import Checkpoint, load_checkpoint
+from checkpoints.tokenizer import IncrementalDetokenizer, NullTokenizer
+from model.config import ModelConfig
 from model.kv import NoCache
-from model.transformer import Transformer, build_model
+from model.transformer import Transformer, build_model, model_params
 from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, SamplingParams
+from serving.engine import scoring, weights
 from serving.engine.engine import LLMEngine
+from serving.engine.scoring import ScoreOutput
 
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -74,13 +85,49 @@ class LLM:
         return llm
 
     @classmethod
-    def from_model(cls, model: Transformer, tokenizer, config: EngineConfig | None = None) -> LLM:
-        """An LLM over a model already in memory (random weights in tests and benchmarks); `config.model` and
-        `config.dtype` are not used (the model has its own)."""
-        config = config or EngineConfig()
+    def from_model(
+        cls, model: Transformer, tokenizer=None, config: EngineConfig | None = None, *, copy: bool = True, **options
+    ) -> LLM:
+        """An LLM over a Flax NNX Transformer already in memory (trained here, or random weights).
+
+        Args:
+          model: the module; its dtype is the engine's (a `dtype` option must agree).
+          tokenizer: ours (checkpoints.tokenizer), any object with encode/decode (HF `tokenizers` or
+            `transformers`), or None (prompts as token ids only).
+          config: a ready EngineConfig; `**options` (the flat options of `LLM(path)`) are applied over it.
+          copy: the engine copies the parameters (default), so the caller may keep training, donating or deleting
+            its own; False adopts them (no second copy; the caller must then leave the module alone).
+        """
+        t0 = time.perf_counter()
+        config = _engine_config(config, options)
+        if "dtype" in options and parse_dtype(options["dtype"]) != model.dtype:
+            raise ValueError(f"dtype={options['dtype']!r} differs from the model's {jnp.dtype(model.dtype).name}")
         enable_compilation_cache(config.compilation_cache_dir)
         llm = cls.__new__(cls)
-        llm._init(model, tokenizer, config, model.cfg.name, time.perf_counter())
+        llm._init(weights.own_model(model) if copy else model, tokenizer, config, model.cfg.name, t0)
+        return llm
+
+    @classmethod
+    def from_params(
+        cls, config: ModelConfig, params, tokenizer=None, engine_config: EngineConfig | None = None, **options
+    ) -> LLM:
+        """An LLM over parameters a researcher holds: canonical name -> array / QuantizedArray (model/transformer.py
+        names; host or device arrays, possibly sharded on a mesh already), an nnx.State or a Transformer.
+
+        The parameters are copied (the caller keeps its arrays) and placed on the engine's mesh. The dtype is the
+        `dtype` option, else that of params["embed"]. Other arguments as for `from_model`.
+        """
+        t0 = time.perf_counter()
+        if "dtype" not in options and engine_config is None:
+            embed = weights.canonical_params(params, config).get("embed")
+            if embed is not None and jnp.issubdtype(embed.dtype, jnp.floating):
+                options["dtype"] = jnp.dtype(embed.dtype).name
+        engine_config = _engine_config(engine_config, options)
+        dtype = parse_dtype(engine_config.dtype)
+        enable_compilation_cache(engine_config.compilation_cache_dir)
+        model = build_model(config, weights.own(weights.canonical_params(params, config, dtype)), dtype)
+        llm = cls.__new__(cls)
+        llm._init(model, tokenizer, engine_config, config.name, t0)
         return llm
 
     def _load(self, config: EngineConfig) -> None:
@@ -94,7 +141,13 @@ class LLM:
 
     def _init(self, model: Transformer, tokenizer, config: EngineConfig, name: str, t0: float) -> None:
         """`name`: how clients and logs call the model (the file's base name, not the GGUF's general.name)."""
+        tokenizer = adapt_tokenizer(tokenizer)
+        eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        if not model.cfg.eos_token_ids and eos:  # a foreign tokenizer knows EOS; a hand-built config may not
+            model.cfg = dataclasses.replace(model.cfg, eos_token_ids=eos)
         self.model, self.config, self.tokenizer, self.dtype = model, model.cfg, tokenizer, model.dtype
+        self.weights_version = 0
+        self._seeds = random.Random(0)  # seeds of unseeded generate calls (returned, so rollouts replay)
         limit = self.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.engine_config = config.replace(max_model_len=self.max_model_len)
@@ -107,6 +160,8 @@ class LLM:
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids for a text prompt (rendered through the chat template when `chat`) or ids passed through."""
         if isinstance(prompt, str):
+            if not hasattr(self.tokenizer, "encode"):
+                raise ValueError("this LLM has no tokenizer: pass prompts as token ids")
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
             ids = self.tokenizer.encode(text)
         else:
@@ -118,12 +173,77 @@ class LLM:
             raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
         return ids
 
-    def score(self, token_ids: Sequence[int]) -> np.ndarray:
-        """float32 logits [len, vocab] of the model over `token_ids` (teacher forcing)."""
+    def score(self, token_ids, continuations=None) -> np.ndarray:
+        """score(token_ids): float32 logits [len, vocab] of the model over one sequence (teacher forcing, no cache).
+        score(prompts, continuations): float64 [N], the summed logprob of each continuation (see `logprobs`)."""
+        if continuations is not None:
+            return np.asarray([o.logprob for o in self.logprobs(token_ids, continuations)], np.float64)
         ids = self.encode_prompt(list(token_ids))
         if len(ids) > self.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the context length {self.max_model_len}")
         return np.asarray(_score(self.model, jnp.asarray([ids], jnp.int32))[0], np.float32)
+
+    def logprobs(self, prompts: Sequence, continuations: Sequence) -> list[ScoreOutput]:
+        """Per-token and summed log-probabilities of each continuation after its prompt, batched through the
+        paged engine: prompts shared within the batch or cached by earlier calls are computed once (prefix cache).
+
+        Args:
+          prompts: strings or token-id lists (one per pair; repeat a prompt to score several continuations).
+          continuations: strings (encoded on their own: pass ids where the tokenisation at the seam matters) or
+            token-id lists, one per prompt, each non-empty.
+
+        Returns:
+          One ScoreOutput (token_logprobs [len], logprob, num_cached_tokens) per pair, in order.
+
+        Raises:
+          ValueError: mismatched lengths, an empty or out-of-vocabulary sequence, a pair over max_model_len.
+          RuntimeError: requests are running in the engine.
+        """
+        if isinstance(prompts, str) or len(prompts) != len(continuations):
+            raise ValueError("prompts and continuations must be lists of the same length")
+        pairs = []
+        for p, c in zip(prompts, continuations):
+            ids, cont = self.encode_prompt(p), self.encode_prompt(c)
+            if len(ids) + len(cont) > self.max_model_len:
+                raise ValueError(f"{len(ids) + len(cont)} tokens exceed the context length {self.max_model_len}")
+            pairs.append((ids, cont))
+        return scoring.score(self.engine, pairs)
+
+    def update_weights(self, params, *, drain: bool = False) -> None:
+        """Swaps the parameters in place: the compiled steps are reused (nothing recompiles) and the new values are
+        copied into the engine's buffers (donated), so memory does not grow and the caller keeps its arrays.
+
+        Args:
+          params: every parameter, as a canonical dict, an nnx.State or a Transformer of the same config. Shapes
+            must match; values are cast to the engine's dtype, put on its shardings, and re-quantised where the
+            engine holds a QuantizedArray (serving/engine/weights.py).
+          drain: run unfinished requests to completion first (in this thread) instead of refusing.
+
+        The prefix cache is cleared (its KV came from the old weights).
+
+        Raises:
+          RuntimeError: requests are unfinished and drain is False.
+          ValueError: missing or unknown names, a wrong shape, a QuantizedArray for a float parameter.
+        """
+        canonical = weights.canonical_params(params, self.config, self.dtype)
+        if self._engine is None:
+            weights.update_module(self.model, canonical)
+        else:
+            scoring.require_idle(self._engine, "update_weights", drain)
+            runner = self._engine.runner
+            weights.update_runner(runner, canonical)
+            nnx.update(self.model, runner.params)
+            cache = self._engine.scheduler.cache
+            if cache is not None:
+                cache.clear()  # nothing runs, so nothing is locked: every block goes back to the pool
+                if cache.num_cached_blocks:
+                    raise RuntimeError(f"update_weights: {cache.num_cached_blocks} prefix-cache blocks stay locked")
+        self.weights_version += 1
+
+    @property
+    def params(self) -> dict:
+        """The engine's parameters in canonical names (arrays or QuantizedArray; read them, do not mutate)."""
+        return model_params(self.model)
 
     @property
     def engine(self):
@@ -142,13 +262,13 @@ class LLM:
         chat: bool = False,
         progress=None,
         **sampling,
-    ) -> list[CompletionOutput]:
+    ) -> list[Completion]:
         """Generates a completion per prompt with the paged engine.
 
         Args:
           prompts: a string, a list of strings, or a list of token-id lists.
           max_tokens, temperature, top_p, top_k, seed: sampling controls (temperature 0 = greedy); prompt i is
-            sampled with seed + i.
+            sampled with seed + i (seed None: drawn here, and returned as Completion.seed either way).
           chat: render each string prompt as a user turn of the chat template.
           progress: optional callable(finished, total, tokens): prompts finished, prompts in all, tokens generated
             so far; called after every engine step.
@@ -156,7 +276,9 @@ class LLM:
             ignore_eos, logprobs).
 
         Returns:
-          One CompletionOutput per prompt, in order.
+          One Completion per prompt, in order: text, token_ids, logprobs (with logprobs=0: of each sampled token
+          under the model's unmodified distribution) and `seed`: generate(prompt, seed=c.seed, same options) on
+          the same weights replays the rollout (sampling draws from fold_in(key(seed), step), whatever the batch).
 
         Raises:
           ValueError: a bad prompt or sampling option (checked here, once, for the whole batch).
@@ -165,10 +287,78 @@ class LLM:
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.encode_prompt(p, chat) for p in prompts]
+        seed = self._seeds.getrandbits(31) if seed is None else seed
         options = sampling_options(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **sampling
         )
-        return self.engine.generate(texts, ids, progress=progress, **options)
+        outs = self.engine.generate(texts, ids, progress=progress, **options)
+        return [
+            Completion(**{f.name: getattr(o, f.name) for f in dataclasses.fields(o)}, seed=seed + i)
+            for i, o in enumerate(outs)
+        ]
+
+
+@dataclasses.dataclass
+class Completion(CompletionOutput):
+    """A CompletionOutput and the seed it was sampled with (replay: generate(prompt, seed=seed, same options))."""
+
+    seed: int | None = None
+
+
+def _engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
+    """`config` (default EngineConfig()) with flat `options` over it; `model` names a checkpoint and is refused."""
+    if "model" in options:
+        raise ValueError("model: the weights are given here; the `model` option names a checkpoint path")
+    config = config or EngineConfig()
+    return config.replace(**options) if options else config
+
+
+class ForeignTokenizer:
+    """What the engine needs of a tokenizer (encode, decode, token_text, chat template, streaming detokeniser,
+    EOS ids) over any object with encode/decode: HF `tokenizers.Tokenizer` (encode returns an Encoding),
+    `transformers` tokenizers (apply_chat_template, eos_token_id), or a hand-written one."""
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+        eos = getattr(tokenizer, "eos_token_ids", None) or getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.inner.encode(text)
+        return [int(t) for t in getattr(ids, "ids", ids)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        try:
+            return self.inner.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except TypeError:  # a decode(ids) without the keyword
+            return self.inner.decode(list(ids))
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        template = getattr(self.inner, "apply_chat_template", None)
+        if template is None:
+            raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+        return template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self)
+
+
+def adapt_tokenizer(tokenizer):
+    """Ours (anything with `detokenizer()`) as is, None as a NullTokenizer (ids only), else a ForeignTokenizer.
+
+    Raises:
+      ValueError: an object without encode and decode.
+    """
+    if tokenizer is None:
+        return NullTokenizer()
+    if hasattr(tokenizer, "detokenizer"):
+        return tokenizer
+    if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+        raise ValueError(f"tokenizer must have encode and decode methods, got {type(tokenizer).__name__}")
+    return ForeignTokenizer(tokenizer)
 
 
 def sampling_options(**options) -> dict:

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from model.kv import PagedMeta, init_paged_cache
+from model.quant import QuantizedArray
 from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
 from model.transformer import _param_slots as param_slots
@@ -168,9 +169,30 @@ class ModelRunner:
         """Puts every parameter on the mesh with its NamedSharding from sharding/rules.py (in place)."""
         slots = param_slots(model)
         shardings = param_shardings({n: s[...] for n, s in slots.items()}, self.mesh, head_dim=self.cfg.head_dim)
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         for name, slot in slots.items():
-            slot[...] = jax.device_put(slot[...], shardings[name])
+            if isinstance(slot.get_value(), QuantizedArray):  # no sharding rules for its leaves yet: replicated
+                slot.set_value(jax.tree.map(lambda a: jax.device_put(a, replicated), slot.get_value()))
+            else:
+                slot[...] = jax.device_put(slot[...], shardings[name])
         return model
+
+
+    def set_params(self, params) -> None:
+        """Swaps in new weights without recompiling: `params` has the tree, shapes, dtypes and shardings of
+        `self.params` (serving/engine/weights.py builds it). They are copied into the old buffers, which are
+        donated, so memory does not grow and the caller keeps its arrays; the model the runner was built from
+        no longer shares arrays with `self.params` (nnx.update it from them)."""
+        old, new = jax.tree.leaves(self.params), jax.tree.leaves(params)
+        if jax.tree.structure(params) != jax.tree.structure(self.params):
+            raise ValueError("set_params: params do not have the runner's parameter tree")
+        for i, (a, b) in enumerate(zip(old, new)):
+            if (a.shape, a.dtype, a.sharding) != (b.shape, b.dtype, b.sharding):
+                raise ValueError(
+                    f"set_params: leaf {i} is {b.shape} {b.dtype} {b.sharding}, the runner's "
+                    f"{a.shape} {a.dtype} {a.sharding}"
+                )
+        self.params = jax.tree.unflatten(jax.tree.structure(self.params), _copy_into(old, new))
 
     @property
     def logit_buckets(self) -> tuple[int, ...]:
@@ -416,6 +438,12 @@ def _chain_tokens(prev_tokens, index, last, host_tokens):
     """Input tokens of a chained loop: row i takes prev_tokens[last[i], index[i]] where index[i] >= 0."""
     picked = prev_tokens[last, jnp.maximum(index, 0)]
     return jnp.where(index >= 0, picked, host_tokens)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), keep_unused=True)
+def _copy_into(old, new):
+    """`new` copied into the buffers of `old` (donated; kept although unused, so XLA aliases them)."""
+    return [jnp.copy(b) for b in new]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -1,0 +1,152 @@
+"""Weights that a researcher holds, turned into the engine's: adoption at construction, swapping in place later.
+
+    canonical dict {name: array | QuantizedArray}      nnx.State of a Transformer      a Transformer module
+        --> canonical_params(...)                     one canonical dict (model/transformer.py names)
+        --> matched(name, new, current)               cast to the slot's dtype, put on its sharding, re-quantised
+                                                      when the slot holds a QuantizedArray
+        --> state_like(graphdef, state, canonical)    an nnx.State with the runner's exact tree
+        --> ModelRunner.set_params(state)             copied into the old buffers (donated): no recompilation,
+                                                      no second copy of the weights
+
+The engine always owns its buffers: `own()` copies jax arrays a caller passes in (host arrays are copied to the
+device anyway), so a trainer may keep updating, donating or deleting its own arrays; `update_weights` then
+copies into the engine's buffers in place.
+
+Quantised slots: a float weight for a slot holding a QuantizedArray is re-quantised by round-to-nearest in the
+format the slot holds (int8 / fp8 per channel or per tensor, int4 with its group size, symmetric or with zero
+points); a pre_scale (AWQ, SmoothQuant) and the activation format and scale are kept, so the layout and the
+compiled steps stay the same. GPTQ's error compensation and AWQ's scale search are not redone (they need
+calibration inputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.quant import QuantizedArray
+from model.quant_methods import rtn
+from model.transformer import Transformer, abstract_model, model_params
+from model.transformer import _param_slots as param_slots
+
+
+def canonical_params(params: Any, cfg, dtype=jnp.float32) -> dict[str, Any]:
+    """A canonical name -> value dict from a canonical mapping, an nnx.State of a Transformer of `cfg`, or a
+    Transformer module.
+
+    Raises:
+      ValueError: a State or module whose tree is not that of a Transformer of `cfg`.
+    """
+    if isinstance(params, Transformer):
+        return model_params(params)
+    if isinstance(params, nnx.State):
+        graphdef, _ = nnx.split(abstract_model(cfg, dtype))
+        try:
+            return model_params(nnx.merge(graphdef, params))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"params: an nnx.State that is not a {cfg.name} Transformer's ({e})") from e
+    if isinstance(params, Mapping):
+        return dict(params)
+    raise ValueError(f"params must be a canonical dict, an nnx.State or a Transformer, got {type(params).__name__}")
+
+
+@jax.jit
+def _copy_tree(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def own(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The mapping with every jax array (QuantizedArray leaves included) copied on its own sharding; host arrays
+    and lazy values pass through (build_model copies them to the device)."""
+    out = {}
+    for name in params:
+        value = params[name]
+        is_device = isinstance(value, QuantizedArray) or isinstance(value, jax.Array)
+        out[name] = _copy_tree(value) if is_device else value
+    return out
+
+
+def own_model(model: Transformer) -> Transformer:
+    """A module of the same graph holding copies of `model`'s parameters (the caller keeps the original)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, _copy_tree(state))
+
+
+def _requantize(name: str, w, like: QuantizedArray) -> QuantizedArray:
+    """`w` (float [K, N], the logical weight) in the format and layout of `like` (see the module docstring)."""
+    w = jnp.asarray(w, jnp.float32)
+    if like.pre_scale is not None:  # logical = pre_scale[:, None] * stored
+        w = w / like.pre_scale.astype(jnp.float32)[:, None]
+    if like.fmt == "int4":
+        q = rtn(w, "int4", group_size=like.group_size, asymmetric=like.zeros is not None)
+    else:
+        q = rtn(w, like.fmt, per_tensor=like.fmt == "fp8" and like.scales.ndim == 0)
+    q = dataclasses.replace(q, pre_scale=like.pre_scale, act_fmt=like.act_fmt, act_scale=like.act_scale)
+    return _on_shardings(name, q, like)
+
+
+def _on_shardings(name: str, value, like):
+    """Every leaf of `value` cast to the dtype of, and put on the sharding of, the matching leaf of `like`."""
+    a, b = jax.tree.structure(value), jax.tree.structure(like)
+    if a != b:
+        raise ValueError(f"{name}: layout {a} differs from the engine's {b}")
+    leaves = []
+    for v, ref in zip(jax.tree.leaves(value), jax.tree.leaves(like)):
+        if tuple(v.shape) != tuple(ref.shape):
+            raise ValueError(f"{name}: shape {tuple(v.shape)} != the engine's {tuple(ref.shape)}")
+        v = v.astype(ref.dtype) if isinstance(v, jax.Array) else np.asarray(v).astype(ref.dtype, copy=False)
+        leaves.append(jax.device_put(v, ref.sharding))
+    return jax.tree.unflatten(b, leaves)
+
+
+def matched(name: str, new: Any, current: Any) -> Any:
+    """`new` for the slot that holds `current`: same shape, dtype, sharding and (quantised) layout.
+
+    Raises:
+      ValueError: a wrong shape, or a QuantizedArray for a float slot (that would change the compiled steps).
+    """
+    if tuple(new.shape) != tuple(current.shape):
+        raise ValueError(f"{name}: shape {tuple(new.shape)} != the engine's {tuple(current.shape)}")
+    if isinstance(current, QuantizedArray) and not isinstance(new, QuantizedArray):
+        return _requantize(name, new, current)
+    if isinstance(new, QuantizedArray) and not isinstance(current, QuantizedArray):
+        raise ValueError(f"{name}: a QuantizedArray for a float parameter (the engine serves it unquantised)")
+    return _on_shardings(name, new, current)
+
+
+def state_like(graphdef, state: nnx.State, params: Mapping[str, Any]) -> nnx.State:
+    """An nnx.State with `state`'s tree whose every parameter is `params[name]` matched to the current value.
+
+    Raises:
+      ValueError: missing or unknown names (all of the model's parameters must be given), bad shapes.
+    """
+    module = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # fresh Variables: `state` is not touched
+    slots = param_slots(module)
+    missing, extra = sorted(set(slots) - set(params)), sorted(set(params) - set(slots))
+    if missing or extra:
+        raise ValueError(f"params do not match the model: missing {missing[:6]}, unexpected {extra[:6]}")
+    for name, slot in slots.items():
+        slot.set_value(matched(name, params[name], slot.get_value()))
+    return nnx.split(module)[1]
+
+
+def update_runner(runner, params: Mapping[str, Any]) -> None:
+    """Swaps canonical `params` into a ModelRunner in place (see the module docstring)."""
+    runner.set_params(state_like(runner.graphdef, runner.params, params))
+
+
+def update_module(model: Transformer, params: Mapping[str, Any]) -> None:
+    """Writes canonical `params` into `model`'s slots, matched to what each slot holds (no runner yet)."""
+    slots = param_slots(model)
+    missing, extra = sorted(set(slots) - set(params)), sorted(set(params) - set(slots))
+    if missing or extra:
+        raise ValueError(f"params do not match the model: missing {missing[:6]}, unexpected {extra[:6]}")
+    new = own({name: matched(name, params[name], slot.get_value()) for name, slot in slots.items()})
+    for name, slot in slots.items():
+        slot.set_value(new[name])
