@@ -1,0 +1,186 @@
+"""Engine-core figures (issue 11): start-up cold and warm, GPU idle between steps, and stream smoothness.
+
+    PYTHONPATH=. python benchmarks/engine_core.py --what startup --cache_dir /tmp/xla_cache   # run twice: cold, warm
+    PYTHONPATH=. python benchmarks/engine_core.py --what idle       # batch-64 decode, async scheduling off / on
+    PYTHONPATH=. python benchmarks/engine_core.py --what itl        # inter-token delivery vs decode_steps
+
+Random weights at --preset shape (Llama-3-8B by default), bf16. Idle: every request decodes (ignore_eos), the
+window starts once all rows are in the decode loop; the device time of one loop is measured afterwards by
+dispatching the same loop back to back, so idle = 1 - loops * loop_time / window wall time. ITL: the time
+between consecutive deliveries of a request's tokens as `step()` hands them out (what a streaming client sees),
+and output tokens/s, for each decode_steps. Prints JSON lines and writes them to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from checkpoints.tokenizer import NullTokenizer
+from model.config import ModelConfig
+from model.sampling import SamplingTensors
+from model.transformer import random_model
+from serving.config import EngineConfig
+from serving.core.request import SamplingParams
+from serving.engine.engine import LLMEngine
+from serving.engine.llm import enable_compilation_cache
+from serving.engine.runner import RowInput
+
+
+def _engine(model, a, **overrides) -> LLMEngine:
+    opts = dict(
+        max_model_len=a.input_len + a.output_len + 64,
+        max_num_seqs=a.batch,
+        max_num_batched_tokens=max(a.batch * a.input_len, 256),
+        enable_prefix_caching=False,
+        warmup=False,
+        compilation_cache_dir=a.cache_dir,
+        num_kv_blocks=a.num_kv_blocks,
+    )
+    opts.update(overrides)
+    return LLMEngine(model, NullTokenizer(), EngineConfig.from_kwargs(**opts))
+
+
+def _run(engine: LLMEngine, a, vocab: int, seed: int = 0):
+    """Runs a.batch requests to the end; returns (deliveries per request, window start, window end, loops)."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(rng.integers(100, vocab, a.input_len).tolist(), params) for _ in range(a.batch)]
+    deliveries = {r: [] for r in rids}
+    window = None
+    loops0 = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids:
+                deliveries[o.request_id].append((now, len(o.new_token_ids)))
+        if window is None and all(len(d) >= 2 for d in deliveries.values()):
+            window, loops0 = now, engine.num_decode_loops
+        if window is not None and any(
+            len(d) and sum(n for _, n in d) >= a.output_len - 16 for d in deliveries.values()
+        ):
+            break  # the window ends before the first request nears its end (rows leaving would skew it)
+    end, loops = time.perf_counter(), engine.num_decode_loops - loops0
+    for r in rids:
+        engine.abort(r)
+    engine.step()  # drains a loop still in flight
+    return deliveries, window, end, loops
+
+
+def _loop_time(engine: LLMEngine, a) -> float:
+    """Device time of one decode loop over a.batch rows (dispatched back to back, one sync)."""
+    k = engine.config.decode_steps
+    # Distinct pages per row, as in the run (rows sharing pages would hit L2 and understate the loop's time).
+    width = -(-(a.input_len + 64 + k) // engine.runner.block_size)
+    if 1 + a.batch * width > engine.runner.num_blocks:
+        raise ValueError(f"the pool ({engine.runner.num_blocks} blocks) cannot give {a.batch} rows {width} pages")
+    rows = [RowInput([7], a.input_len + 64, list(range(1 + i * width, 1 + (i + 1) * width))) for i in range(a.batch)]
+    st = SamplingTensors.from_rows([{}] * a.batch)
+    banned = np.full((k, a.batch, 1), -1, np.int32)
+    engine.runner.decode_loop(rows, k, st, banned).fetch()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        h = engine.runner.decode_loop(rows, k, st, banned)
+    h.fetch()
+    return (time.perf_counter() - t0) / 5
+
+
+def startup(a, model) -> dict:
+    t0 = time.perf_counter()
+    engine = _engine(model, a, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
+    init = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.warmup()
+    return dict(
+        what="startup",
+        engine_init_s=init,
+        warmup_s=time.perf_counter() - t0,
+        executables=engine.runner.num_compiles,
+        cache_dir=a.cache_dir,
+    )
+
+
+def idle(a, model) -> list[dict]:
+    out = []
+    for overlap in (False, True):
+        engine = _engine(model, a, async_scheduling=overlap)
+        _run(engine, a, model.cfg.vocab_size)  # compiles what the run needs
+        deliveries, start, end, loops = _run(engine, a, model.cfg.vocab_size, seed=1)
+        t_loop = _loop_time(engine, a)
+        busy = loops * t_loop
+        out.append(
+            dict(
+                what="idle",
+                async_scheduling=overlap,
+                window_s=end - start,
+                loops=loops,
+                loop_device_s=t_loop,
+                gpu_idle_fraction=max(0.0, 1 - busy / (end - start)),
+                chained=engine.loops.num_chained,
+            )
+        )
+        del engine
+    return out
+
+
+def itl(a, model) -> list[dict]:
+    out = []
+    for k in (1, 2, 4, 8):
+        engine = _engine(model, a, decode_steps=k)
+        _run(engine, a, model.cfg.vocab_size)
+        deliveries, start, end, _ = _run(engine, a, model.cfg.vocab_size, seed=1)
+        gaps, per = [], []
+        for d in deliveries.values():
+            d = [x for x in d if start <= x[0] <= end]
+            gaps += [t1 - t0 for (t0, _), (t1, _) in zip(d, d[1:])]
+            per += [n for _, n in d]
+        tokens = sum(per)
+        out.append(
+            dict(
+                what="itl",
+                decode_steps=k,
+                tokens_per_delivery=float(np.mean(per)),
+                delivery_gap_p50_ms=1e3 * float(np.percentile(gaps, 50)),
+                delivery_gap_p99_ms=1e3 * float(np.percentile(gaps, 99)),
+                itl_ms=1e3 * (end - start) * a.batch / max(tokens, 1),
+                output_tokens_per_s=tokens / (end - start),
+            )
+        )
+        del engine
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--what", choices=["startup", "idle", "itl"], required=True)
+    p.add_argument("--preset", default="llama3_8b")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--input_len", type=int, default=64)
+    p.add_argument("--output_len", type=int, default=256)
+    p.add_argument("--num_kv_blocks", type=int, default=None)
+    p.add_argument("--cache_dir", default="", help="persistent compilation cache ('' disables it)")
+    p.add_argument("--out", default="engine_core.jsonl")
+    a = p.parse_args()
+    enable_compilation_cache(a.cache_dir)
+    cfg = ModelConfig.preset(a.preset)
+    t0 = time.perf_counter()
+    model = random_model(cfg, jnp.bfloat16)
+    jax.block_until_ready(jax.tree.leaves(model)[0])
+    init_s = time.perf_counter() - t0
+    rows = {"startup": lambda: [startup(a, model)], "idle": lambda: idle(a, model), "itl": lambda: itl(a, model)}
+    results = rows[a.what]()
+    with open(a.out, "a") as f:
+        for r in results:
+            r |= dict(device=jax.devices()[0].device_kind, preset=a.preset, model_init_s=init_s)
+            print(json.dumps(r), flush=True)
+            f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
