@@ -9,9 +9,14 @@ prefixes (so the prefix cache is used); a fraction of streaming clients hang up 
 chunk (counted as `cancelled`, not `failed`). Afterwards it waits for in-flight requests, reads /metrics, sends
 SIGTERM and records the exit status.
 
-Prints and saves JSON: requests sent / completed / failed / cancelled, latency percentiles, tokens, and the KV
-blocks in use at the end, both in total and beyond the prefix cache (the latter must be 0). Exit status 1 when
-any request failed, blocks leaked or the server did not exit cleanly.
+With --burst N, N more requests are sent at once after the steady phase (against a server started with
+--max_queue N/2 this is 2x the queue limit). A request answered 503 + Retry-After (queue full) is retried after
+the advertised delay, up to --max_retries times: pushed back is not lost. `lost` counts requests that never
+completed for any other reason (an error status, a broken stream, retries exhausted) and must be 0.
+
+Prints and saves JSON: requests sent / completed / failed / lost / cancelled, 503s retried, latency
+percentiles, tokens, and the KV blocks in use at the end, both in total and beyond the prefix cache (the latter
+must be 0). Exit status 1 when any request failed, blocks leaked or the server did not exit cleanly.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ flags.DEFINE_string("model_name", "SmolLM2-135M-Instruct", "`model` field of the
 flags.DEFINE_float("startup_timeout_s", 1800.0, "how long the server may take to report healthy")
 flags.DEFINE_float("request_timeout_s", 300.0, "client timeout per request")
 flags.DEFINE_string("out", None, "write the JSON summary here too")
+flags.DEFINE_integer("burst", 0, "requests sent at once after the steady phase (0: none)")
+flags.DEFINE_integer("max_retries", 30, "retries of a request answered 503 with Retry-After (queue full)")
 
 _PREFIXES = [
     "You are a helpful assistant. Answer briefly and precisely. ",
@@ -76,6 +83,7 @@ class Result:
     ttft_s: float | None = None
     completion_tokens: int = 0
     error: str | None = None
+    retries: int = 0
 
 
 def make_request(rng: random.Random) -> tuple[str, dict, bool, bool]:
@@ -100,12 +108,37 @@ def make_request(rng: random.Random) -> tuple[str, dict, bool, bool]:
     return "/v1/completions", body | {"prompt": prefix + question}, stream, hang_up
 
 
+class _PushedBack(Exception):
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+
+def _push_back(r: httpx.Response) -> None:
+    """Raises _PushedBack for a 503 with Retry-After (the server's queue is full: retry later)."""
+    if r.status_code == 503 and "retry-after" in r.headers:
+        raise _PushedBack(float(r.headers["retry-after"]))
+
+
 async def run_one(client: httpx.AsyncClient, path: str, body: dict, stream: bool, hang_up: bool) -> Result:
+    """One request, retried after each 503 + Retry-After up to --max_retries times."""
+    for attempt in range(FLAGS.max_retries + 1):
+        try:
+            result = await _attempt(client, path, body, stream, hang_up)
+        except _PushedBack as e:
+            await asyncio.sleep(min(e.delay_s, 5.0) * random.uniform(0.5, 1.5))
+            continue
+        result.retries = attempt
+        return result
+    return Result(path, False, error=f"still 503 after {FLAGS.max_retries} retries", retries=FLAGS.max_retries)
+
+
+async def _attempt(client: httpx.AsyncClient, path: str, body: dict, stream: bool, hang_up: bool) -> Result:
     kind = ("stream " if stream else "") + path.rsplit("/", 1)[-1]
     t0 = time.perf_counter()
     try:
         if not stream:
             r = await client.post(path, json=body)
+            _push_back(r)
             if r.status_code != 200:
                 return Result(kind, False, error=f"HTTP {r.status_code}: {r.text[:200]}")
             data = r.json()
@@ -125,6 +158,10 @@ async def run_one(client: httpx.AsyncClient, path: str, body: dict, stream: bool
 async def _run_stream(client, kind, path, body, hang_up, t0) -> Result:
     ttft, usage, finished, done = None, None, False, False
     async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            _push_back(r)
+            return Result(kind, False, error=f"HTTP {r.status_code}: {r.text[:200]}")
         try:
             async for chunk in sse_chunks(r):
                 if chunk is None:
@@ -160,6 +197,7 @@ async def soak(url: str) -> tuple[list[Result], float]:
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             tasks.append(asyncio.create_task(run_one(client, *make_request(rng))))
             i += 1
+        tasks += [asyncio.create_task(run_one(client, *make_request(rng))) for _ in range(FLAGS.burst)]
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - t0
 
@@ -186,6 +224,10 @@ def summarize(results: list[Result], wall: float, metrics: dict, exit_code, star
         "requests_sent": len(results),
         "completed": len(done),
         "failed": len(failed),
+        "lost": len(failed),
+        "pushed_back_503_retried": sum(r.retries for r in results),
+        "requests_pushed_back": sum(r.retries > 0 for r in results),
+        "burst": FLAGS.burst,
         "cancelled_on_purpose": sum(r.cancelled for r in results),
         "failure_samples": [f"{r.kind}: {r.error}" for r in failed[:5]],
         "latency_s": {k: percentile(lat, q) for k, q in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))},

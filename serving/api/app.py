@@ -39,7 +39,10 @@ from serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from serving.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
+    check_text,
     describe_validation_error,
     error_body,
 )
@@ -150,7 +153,7 @@ def _describe_api(fastapi_app: FastAPI, model_name: str) -> None:
         if fastapi_app.openapi_schema is None:
             schema = FastAPI.openapi(fastapi_app)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body
@@ -186,7 +189,16 @@ class ServerApp:
     """The ASGI app: FastAPI plus a count of responses by endpoint and status (streamed and error responses
     too). `state.server` is the ServerState."""
 
-    _KNOWN = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+    _KNOWN = (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+    )
 
     def __init__(self, inner: FastAPI, metrics: ServerMetrics):
         self.inner, self.metrics = inner, metrics
@@ -282,6 +294,38 @@ def _add_routes(fastapi_app: FastAPI, state: ServerState) -> None:
                 }
             ],
         }
+
+    # vLLM's tokenizer endpoints (lm-eval's "remote" tokenizer backend uses them).
+    @fastapi_app.get("/tokenizer_info", dependencies=auth, responses=_ERRORS)
+    async def tokenizer_info():
+        tok = state.require_ready().tokenizer
+        eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+        return {
+            "eos_token": None if eos is None else tok.token_text(eos),
+            "bos_token": None if tok.bos_token_id is None else tok.token_text(tok.bos_token_id),
+            "pad_token": None,
+            "chat_template": tok.chat_template,
+            "model_max_length": state.llm.max_model_len,
+        }
+
+    @fastapi_app.post("/tokenize", responses=_ERRORS, openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(request: Request):
+        body = await read(request, TokenizeRequest)
+        llm = state.require_ready()
+        check_text(body.prompt, "prompt")
+        add_bos = None if body.add_special_tokens else False  # None: the model's own BOS rule
+        ids = await asyncio.to_thread(llm.tokenizer.encode, body.prompt, add_bos)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @fastapi_app.post("/detokenize", responses=_ERRORS, openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(request: Request):
+        body = await read(request, DetokenizeRequest)
+        llm = state.require_ready()
+        try:
+            ids = llm.encode_prompt(body.tokens)
+        except ValueError as e:
+            raise OpenAIError(400, f"tokens: {e}", param="tokens") from e
+        return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, ids)}
 
     @fastapi_app.post("/v1/completions", responses=_ERRORS, openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):

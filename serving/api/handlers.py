@@ -221,14 +221,15 @@ def _chat_prompt(llm, body: ChatCompletionRequest, use_tools: bool) -> tuple[str
 def _default_max_tokens(state: ServerState, llm, prompt_len: int) -> int:
     """Without max_tokens a chat completion may run to the end of the context, clamped to what one request
     can hold in the KV pool (a pool smaller than one full context must not turn the default into a 400)."""
+    _check_context(llm, prompt_len, 1, "messages")
     room = llm.max_model_len - prompt_len
     if state.kv_capacity_tokens is not None:
         room = min(room, state.kv_capacity_tokens - prompt_len)
     if room < 1:
         raise OpenAIError(
             400,
-            f"the prompt has {prompt_len} tokens and leaves no room for a completion (context "
-            f"{llm.max_model_len} tokens, KV pool {state.kv_capacity_tokens} tokens per request)",
+            f"the prompt has {prompt_len} tokens and leaves no room for a completion in the KV pool "
+            f"({state.kv_capacity_tokens} token positions per request)",
             param="messages",
             code="context_length_exceeded",
         )

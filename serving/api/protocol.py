@@ -180,13 +180,24 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(max_length=256)
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
     # Fields that OpenAI responses carry, so a client can send an assistant message back as it received it.
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
     tool_call_id: str | None = Field(None, max_length=256)
     annotations: list[dict[str, Any]] | None = None
 
@@ -269,11 +280,26 @@ class ChatCompletionRequest(_SamplingRequest):
             role = "system" if m.role == "developer" else m.role
             msg = {"role": role, "content": text} | ({"name": m.name} if m.name else {})
             if m.tool_calls:
-                msg["tool_calls"] = m.tool_calls
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             if m.tool_call_id:
                 msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): text to token ids."""
+
+    model: str | None = Field(None, max_length=1024)
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids to text."""
+
+    model: str | None = Field(None, max_length=1024)
+    tokens: list[int] = Field(min_length=1)
 
 
 def check_text(text: str, param: str) -> None:
