@@ -8,7 +8,7 @@
                                                  policy, decode_steps, async_scheduling
               .parallel     ParallelConfig       data/tensor/pipeline/expert_parallel_size -> dp, tp, pp, ep
               .speculative  SpeculativeConfig    speculative_method, num_speculative_tokens, speculative_model,
-                                                 speculative_batch_threshold
+                                                 speculative_batch_threshold, speculative_draft_layers
               .quantization QuantizationConfig   quantization
               .runtime      RuntimeConfig        attention_backend, warmup, compilation_cache_dir
         --> LLMEngine(model, tokenizer, config)
@@ -169,31 +169,40 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (refused until it lands).
+    """Speculative decoding (serving/engine/speculate.py); off by default.
 
     Attributes:
-        method: None (off), "ngram", "draft", "self" or "medusa".
-        num_speculative_tokens: tokens proposed per step (>= 1 with a method, 0 without).
+        method: None (off), "ngram" (prompt lookup), "draft" (a draft model sharing the tokenizer), "self" (the
+            target's first layers + its head) or "medusa" (trained heads: refused until they land).
+        num_speculative_tokens: the most tokens proposed per row and step (>= 1 with a method, 0 without); the
+            adaptive policy picks k per request from its acceptance (tiers 1/3/5/7 up to this).
         speculative_model: the draft model's path (method "draft" only).
-        speculative_batch_threshold: speculate only while at most this many sequences run; 0: always.
+        speculative_batch_threshold: speculate only while fewer than this many sequences run (k shrinks
+            geometrically on the way there, serving/core/spec_policy.py); 0: at any batch size.
+        speculative_draft_layers: layers of the target the "self" draft runs (0: half of them; method "self" only).
     """
 
     method: str | None = None
     num_speculative_tokens: int = 0
     speculative_model: str | None = None
     speculative_batch_threshold: int = 0
+    speculative_draft_layers: int = 0
 
     def __post_init__(self):
         if self.method is not None:
             _check_choice("speculative_method", self.method, SPECULATIVE_METHODS)
-            _not_supported_yet("speculative_method", self.method)
+            if self.method == "medusa":
+                _not_supported_yet("speculative_method", self.method)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1 if self.method else 0)
         _check_int("speculative_batch_threshold", self.speculative_batch_threshold, 0)
+        _check_int("speculative_draft_layers", self.speculative_draft_layers, 0)
         for option in ("num_speculative_tokens", "speculative_batch_threshold"):
             if self.method is None and getattr(self, option):
                 raise ValueError(f"{option} needs speculative_method (speculative decoding is off)")
         if (self.speculative_model is not None) != (self.method == "draft"):
             raise ValueError("speculative_model is needed by, and only by, speculative_method='draft'")
+        if self.speculative_draft_layers and self.method != "self":
+            raise ValueError("speculative_draft_layers needs speculative_method='self'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +270,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
     "speculative_model": ("speculative", "speculative_model"),
     "speculative_batch_threshold": ("speculative", "speculative_batch_threshold"),
+    "speculative_draft_layers": ("speculative", "speculative_draft_layers"),
     "quantization": ("quantization", "method"),
     "attention_backend": ("runtime", "attention_backend"),
     "warmup": ("runtime", "warmup"),

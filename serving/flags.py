@@ -57,7 +57,12 @@ flags.DEFINE_enum("speculative_method", _D.speculative.method, list(SPECULATIVE_
 flags.DEFINE_integer("num_speculative_tokens", _D.num_speculative_tokens, "tokens proposed per speculative step")
 flags.DEFINE_string("speculative_model", _D.speculative_model, "draft model (speculative_method=draft)")
 flags.DEFINE_integer(
-    "speculative_batch_threshold", _D.speculative_batch_threshold, "speculate only up to this many sequences (0: any)"
+    "speculative_batch_threshold",
+    _D.speculative_batch_threshold,
+    "speculate only below this many running sequences (0: at any batch size)",
+)
+flags.DEFINE_integer(
+    "speculative_draft_layers", _D.speculative_draft_layers, "target layers the self-speculative draft runs (0: half)"
 )
 flags.DEFINE_enum("quantization", _D.quantization.method, list(QUANTIZATIONS), "weight quantisation")
 # Runtime

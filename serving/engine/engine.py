@@ -27,6 +27,7 @@ from serving.core.request import CompletionOutput, Request, RequestOutput, Sampl
 from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.decode_loop import DecodeLoops, has_penalties
 from serving.engine.runner import ModelRunner, RowInput, pad_sampling, sample_rows, size_kv_pool
+from serving.engine.speculate import make_spec_decoder
 
 
 @dataclasses.dataclass
@@ -71,6 +72,7 @@ class LLMEngine:
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=max_model_len,
             attention_backend=c.attention_backend,
+            max_logits_per_row=1 + c.speculative.num_speculative_tokens,  # a verify row: last token + k drafts
         )
         self.scheduler = Scheduler(
             num_blocks,
@@ -87,6 +89,7 @@ class LLMEngine:
         self._rng = random.Random(0)
         self.num_steps = 0
         self.loops = DecodeLoops(self, _sampling_tensors)
+        self.spec = make_spec_decoder(self, model, _sampling_tensors, _logprob_entry)  # None: speculation off
         self.overlap = c.async_scheduling
         self._inflight = None  # a decode loop launched but not applied yet
         if c.warmup or (c.warmup is None and jax.default_backend() != "cpu"):
@@ -155,10 +158,14 @@ class LLMEngine:
         the device runs loop N+1 while the host applies loop N; serving/engine/decode_loop.py).
         """
         if self._inflight is None:
+            if self.spec is not None:
+                self.spec.before_schedule()  # drafts (or placeholders) for the decode rows
             out = self.scheduler.schedule()
             if out.is_empty:
                 return []
             self.runner.copy_blocks(out.cow_pairs)
+            if self.spec is not None and any(sr.num_draft for sr in out.scheduled):
+                return self._apply(out, *self.spec.step(out), None)  # one verify pass (serving/engine/speculate.py)
             limits = self.loops.limits(out)
             if not limits:
                 return self._apply(out, *self._run_step(out), None)

@@ -12,15 +12,13 @@ any drafts are fine as long as `draft_probs` is the distribution they were reall
                                                     |
     observe(request_id, num_draft, num_accepted) <--+   (stateful proposers roll back; the policy updates its EMA)
 
-How the model-based proposers fit (engine work, not here):
-  * draft model (shares the tokenizer): keeps its own paged KV on the request's block tables, keyed by
-    `ProposalRow.request_id`; `propose` runs k_max draft steps inside the engine's jitted loop and returns dense
-    `draft_probs` [B, k_max, V] as a device array (sampled rows) or None (greedy drafts: q one-hot);
-    `observe` tells it how many of its KV slots to roll back.
-  * self-speculation (the target's first L layers + its head): the same as a draft model, with the target's
-    weights and the first L layers' KV slots.
-  * trained heads (Medusa / EAGLE): read the target's last hidden state, which the runner passes in
-    `ProposalRow.hidden` (None for proposers that do not need it); one head per draft position.
+Two kinds of proposer (`Proposer.after_schedule`):
+  * host-side ones (n-gram) draft before the scheduler runs: the engine sets `Request.spec_token_ids`, and the
+    scheduler trims them to its budget;
+  * model proposers (`ModelDraftProposer`: a draft model, or self-speculation) write draft KV, so they draft after
+    the scheduler has given each row blocks for its drafts: the engine asks for k placeholder drafts, and the
+    proposer fills in `ScheduledRequest.num_draft` real ones, on `ProposalRow.block_table`.
+Trained heads (Medusa / EAGLE, not built) would read the target's last hidden state from `ProposalRow.hidden`.
 Host-side proposers (like the n-gram one) return numpy arrays; device proposers may return jax arrays of the same
 shapes. Both are consumed only by the jitted verify step.
 """
@@ -45,12 +43,14 @@ class ProposalRow:
         pass consumes first.
       k: the most drafts this row may get this step (0: none).
       hidden: optional target hidden state of the last position (for trained-head proposers).
+      block_table: the request's KV blocks, covering len(token_ids) + k positions (model proposers).
     """
 
     request_id: Any
     token_ids: Sequence[int]
     k: int
     hidden: Any = None
+    block_table: Sequence[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,7 @@ class Proposer(abc.ABC):
     """Proposes up to k draft tokens per row, with their q."""
 
     name: str = "proposer"
+    after_schedule: bool = False  # True: drafts once the rows have blocks for them (see the module docstring)
 
     @abc.abstractmethod
     def propose(self, rows: Sequence[ProposalRow]) -> Proposal:

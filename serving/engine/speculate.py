@@ -1,0 +1,269 @@
+"""The speculative step: propose -> one verify pass -> processed target probs + rejection_sample -> emitted tokens.
+
+    before schedule   policy: k_r per running decode row (load + acceptance EMA, serving/core/spec_policy.py)
+                      host proposer (n-gram): Request.spec_token_ids = drafts  |  model proposer: k_r placeholders
+    schedule          the scheduler trims drafts to its budget and takes blocks for them (ScheduledRequest.num_draft)
+    after schedule    model proposer: drafts num_draft tokens on the rows' block tables, written into token_ids
+    verify            one target pass (runner.forward): rows of 1 + num_draft tokens, logits at each
+                      draft rows: min_tokens bans per position -> processed_target_probs -> rejection_sample
+                      other rows (prefill ends, rows without drafts): the engine's own sampler
+    after             emitted tokens trimmed at a stop string; policy and proposer observe; Scheduler.update
+                      applies stop ids / max_tokens token by token, rolls back rejected drafts' blocks
+
+Exactness: a row emits its accepted drafts and one token drawn by the rejection rule, so its tokens follow the
+target's processed distribution exactly (serving/speculative.py); under greedy decoding they are the target's
+argmax chain, the tokens plain decoding emits. Randomness: row r draws with row_keys(seed_r, tokens generated), so
+a seeded request gives the same tokens run to run (the draws differ from plain decoding's: same distribution,
+different stream).
+
+Rows that speculation leaves alone (k = 0): penalties (they depend on every earlier token, drafts included),
+top logprobs, and every row from `speculative_batch_threshold` running sequences on (the policy's load ramp).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.sampling import NEG_INF, SamplingTensors
+from serving.core.request import Request, RequestStatus
+from serving.core.scheduler_output import SchedulerOutput
+from serving.core.spec_policy import SpecPolicy, SpecPolicyConfig
+from serving.engine.decode_loop import has_penalties
+from serving.engine.proposers import NgramProposer, ProposalRow, Proposer
+from serving.engine.runner import RowInput, pad_sampling
+from serving.speculative import processed_target_probs, rejection_sample, row_keys
+
+_MAX_BANNED = 8
+_UNBOUNDED = 1 << 30  # batch threshold standing for "speculate at any batch size"
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    """Totals of one method: verify passes with drafts, draft tokens, accepted drafts, emitted tokens."""
+
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(
+            passes=self.passes,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            emitted=self.emitted,
+            acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0,
+            mean_emitted_per_pass=self.emitted / self.passes if self.passes else 0.0,
+        )
+
+
+def policy_config(max_k: int, batch_threshold: int) -> SpecPolicyConfig:
+    """Tiers 1/3/5/7 up to max_k (max_k itself the top tier); threshold 0: no load ramp."""
+    tiers = tuple(sorted({t for t in (1, 3, 5, 7) if t < max_k} | {max_k}))
+    if batch_threshold == 0:
+        return SpecPolicyConfig(batch_threshold=_UNBOUNDED, ramp_ratio=1.0, tiers=tiers)
+    return SpecPolicyConfig(batch_threshold=batch_threshold, tiers=tiers)
+
+
+class SpecDecoder:
+    """Runs the speculative steps of one engine (module docstring).
+
+    Args:
+      engine: the LLMEngine (its scheduler, runner, tracks and sampler are read each step).
+      proposer: drafts tokens (serving/engine/proposers.py, serving/engine/draft_model.py).
+      max_k: num_speculative_tokens, the widest draft (the verify step's padded width).
+      policy: the adaptive policy (default: tiers up to max_k, no load threshold).
+      sampling_tensors / logprob_entry: the engine's helpers (requests -> SamplingTensors; a logprobs entry).
+    """
+
+    def __init__(
+        self,
+        engine,
+        proposer: Proposer,
+        max_k: int,
+        policy: SpecPolicy | None = None,
+        sampling_tensors=None,
+        logprob_entry=None,
+    ):
+        self._engine = engine
+        self._sampling_tensors, self._logprob_entry = sampling_tensors, logprob_entry
+        self.proposer = proposer
+        self.max_k = max_k
+        self.policy = policy or SpecPolicy(policy_config(max_k, 0))
+        self.counters = SpecCounters()
+        self.num_verify_steps = 0
+
+    scheduler = property(lambda self: self._engine.scheduler)
+    runner = property(lambda self: self._engine.runner)
+
+    # Before and after the scheduler --------------------------------------------------------------------------
+
+    def before_schedule(self) -> None:
+        """Sets each running decode row's spec_token_ids: drafts (host proposer) or k placeholders."""
+        running = [r for r in self.scheduler.running if r.status is RequestStatus.RUNNING]
+        for r in running:
+            r.spec_token_ids = []  # last step's, if the scheduler did not reach the row
+        rows = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and _may_speculate(r)]
+        if not rows:
+            return
+        ks = self.policy.num_speculative_tokens([r.request_id for r in rows], batch_size=len(running))
+        asks = [(r, k) for r, k in zip(rows, ks) if k > 0]
+        if self.proposer.after_schedule:
+            for r, k in asks:
+                r.spec_token_ids = [0] * k
+            return
+        proposal = self.proposer.propose([ProposalRow(r.request_id, r.all_token_ids, k) for r, k in asks])
+        for (r, _), toks, n in zip(asks, proposal.draft_tokens, proposal.num_draft):
+            r.spec_token_ids = [int(t) for t in toks[:n]]
+
+    def _fill_drafts(self, out: SchedulerOutput) -> None:
+        """Model proposers: the real drafts of every row the scheduler kept drafts for."""
+        rows = [sr for sr in out.scheduled if sr.num_draft]
+        if not self.proposer.after_schedule or not rows:
+            return
+        asks = [ProposalRow(sr.request_id, sr.request.all_token_ids, sr.num_draft, None, sr.block_table) for sr in rows]
+        proposal = self.proposer.propose(asks)
+        for sr, toks, n in zip(rows, proposal.draft_tokens, proposal.num_draft):
+            if n != sr.num_draft:
+                raise RuntimeError(f"{self.proposer.name} proposer drafted {n} of {sr.num_draft} tokens")
+            sr.token_ids[len(sr.token_ids) - sr.num_draft :] = [int(t) for t in toks[:n]]
+
+    # The verify step -----------------------------------------------------------------------------------------
+
+    def step(self, out: SchedulerOutput) -> tuple[dict, dict | None]:
+        """Verifies this step's drafts in one target pass; returns (sampled, logprobs) for Scheduler.update."""
+        self._fill_drafts(out)
+        rows = [RowInput(sr.token_ids, sr.start_pos, sr.block_table, 1 + sr.num_draft) for sr in out.scheduled]
+        logits = self.runner.forward(rows)  # [L, V]: row i's 1 + num_draft logits after those of rows < i
+        first = np.cumsum([0] + [r.num_logits for r in rows])[:-1]
+        sampled, logprobs = self._sample_plain(out, logits, first)
+        spec = [(i, sr) for i, sr in enumerate(out.scheduled) if sr.num_draft]
+        tokens, n_emit = self._verify(logits, [(first[i], sr) for i, sr in spec])
+        for j, (_, sr) in enumerate(spec):
+            emitted = [int(t) for t in tokens[j, : n_emit[j]]]
+            accepted = int(n_emit[j]) - 1
+            self.policy.observe(sr.request_id, sr.num_draft, accepted)
+            self.proposer.observe(sr.request_id, sr.num_draft, accepted)
+            c = self.counters
+            c.passes, c.drafted, c.accepted, c.emitted = (
+                c.passes + 1,
+                c.drafted + sr.num_draft,
+                c.accepted + accepted,
+                c.emitted + len(emitted),
+            )
+            sampled[sr.request_id] = self._trim_at_stop(sr.request, emitted)
+        self.num_verify_steps += 1
+        self._release_departed()
+        return sampled, logprobs
+
+    def _sample_plain(self, out: SchedulerOutput, logits, first: np.ndarray):
+        """Rows without drafts that sample: the engine's sampler on their last logit (penalties, logprobs, bans)."""
+        plain = [(i, sr) for i, sr in enumerate(out.scheduled) if sr.sample and not sr.num_draft]
+        if not plain:
+            return {}, None
+        reqs = [sr.request for _, sr in plain]
+        tok, lp, top_ids, top_lp = self._engine._sample(logits[np.asarray([first[i] for i, _ in plain])], reqs)
+        sampled = {r.request_id: [int(tok[j])] for j, r in enumerate(reqs)}
+        if not any(r.sampling_params.logprobs is not None for r in reqs):
+            return sampled, None
+        entry = self._logprob_entry
+        return sampled, {r.request_id: [entry(r, tok[j], lp[j], top_ids[j], top_lp[j])] for j, r in enumerate(reqs)}
+
+    def _verify(self, logits, spec: Sequence[tuple[int, object]]) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [B, k+1], num_emitted [B]) of the draft rows, from the logits starting at each row's offset."""
+        if not spec:
+            return np.zeros((0, self.max_k + 1), np.int32), np.zeros(0, np.int32)
+        n = len(spec)
+        b = 1 << (n - 1).bit_length()  # rows padded to a power of two: one compilation per bucket
+        k1 = self.max_k + 1
+        index = np.zeros((b, k1), np.int32)
+        drafts = np.full((b, self.max_k), -1, np.int32)
+        num_draft = np.zeros(b, np.int32)
+        banned = np.full((b, k1, _MAX_BANNED), -1, np.int32)
+        for j, (off, sr) in enumerate(spec):
+            d = sr.num_draft
+            index[j] = off + np.minimum(np.arange(k1), d)
+            drafts[j, :d] = sr.token_ids[len(sr.token_ids) - d :]
+            num_draft[j] = d
+            banned[j] = _banned_per_position(sr.request, k1)
+        st = pad_sampling(self._sampling_tensors([sr.request for _, sr in spec]), b)
+        tokens, n_emit = _verify_rows(logits, index, banned, st, drafts, num_draft)
+        return np.asarray(tokens)[:n], np.asarray(n_emit)[:n]
+
+    def _trim_at_stop(self, req: Request, emitted: list[int]) -> list[int]:
+        """Emitted tokens up to the one that completes a stop string (the engine then finishes the request)."""
+        stops = req.sampling_params.stop
+        track = self._engine._tracks.get(req.request_id)
+        if not stops or track is None or len(emitted) == 1:
+            return emitted
+        detok = copy.copy(track.detok)
+        detok.ids = list(track.detok.ids)
+        text = track.text
+        for j, t in enumerate(emitted):
+            if not self._engine._is_stop_token(req, t):
+                text += detok.add([t])
+            if any(s and s in text for s in stops):
+                return emitted[: j + 1]
+        return emitted
+
+    def _release_departed(self) -> None:
+        tracked = getattr(self.proposer, "tracked", None)
+        if tracked:
+            for rid in tracked - set(self.scheduler.requests):
+                self.proposer.release(rid)
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """Per method: passes, drafted, accepted, emitted, acceptance_rate, mean_emitted_per_pass."""
+        return {self.proposer.name: self.counters.as_dict()}
+
+
+def _may_speculate(req: Request) -> bool:
+    p = req.sampling_params
+    return not has_penalties(p) and p.logprobs is None
+
+
+def _banned_per_position(req: Request, k1: int) -> np.ndarray:
+    """EOS and stop ids banned at each verify position j before min_tokens (the row's output then has j more)."""
+    out = np.full((k1, _MAX_BANNED), -1, np.int32)
+    p = req.sampling_params
+    ids = (list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids)))[:_MAX_BANNED]
+    for j in range(k1):
+        if req.num_output_tokens + j < p.min_tokens and ids:
+            out[j, : len(ids)] = ids
+    return out
+
+
+@functools.partial(jax.jit)
+def _verify_rows(logits_lv, index_bk, banned_bkn, st: SamplingTensors, drafts_bk, num_draft_b):
+    """Gathers each row's k+1 logits, bans ids per position, processes them as the sampler would, then accepts."""
+    l_bkv = logits_lv[index_bk].astype(jnp.float32)  # [B, k+1, V]
+    b, k1, v = l_bkv.shape
+    hit = jnp.zeros((b, k1, v), bool)
+    bi, ki = jnp.meshgrid(jnp.arange(b), jnp.arange(k1), indexing="ij")
+    hit = hit.at[bi[..., None], ki[..., None], jnp.maximum(banned_bkn, 0)].max(banned_bkn >= 0)
+    l_bkv = jnp.where(hit, NEG_INF, l_bkv)
+    probs = processed_target_probs(l_bkv, st)
+    keys = row_keys(st.seed, st.step)
+    return rejection_sample(probs, None, drafts_bk, num_draft_b, keys)
+
+
+def make_spec_decoder(engine, model, sampling_tensors, logprob_entry) -> SpecDecoder | None:
+    """The SpecDecoder the engine's config asks for (None when speculation is off); the helpers as SpecDecoder's."""
+    spec = engine.config.speculative
+    if spec.method is None:
+        return None
+    if spec.method == "ngram":
+        proposer: Proposer = NgramProposer()
+    else:
+        from serving.engine.draft_model import make_model_proposer
+
+        proposer = make_model_proposer(spec.method, engine.runner, model, spec, model.dtype)
+    policy = SpecPolicy(policy_config(spec.num_speculative_tokens, spec.speculative_batch_threshold))
+    return SpecDecoder(engine, proposer, spec.num_speculative_tokens, policy, sampling_tensors, logprob_entry)
