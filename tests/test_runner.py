@@ -147,3 +147,32 @@ def test_tensor_parallel_mesh_places_shards_and_matches_one_device():
         [sys.executable, "-c", TP_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_executable_cache_loads_without_compiling(model, tmp_path):
+    """A second runner with the same cache directory loads every warm-up executable (no trace, no compile) and
+    computes the same logits; a corrupt entry is a miss, not a failure."""
+    rows = [RowInput([5, 6, 7], 0, [1]), RowInput([9], 4, [2, 3])]
+    first = _runner(model, executable_cache_dir=str(tmp_path))
+    n = first.warmup()
+    assert first.num_compiles == first._cache.misses == n > 0
+    expected = np.asarray(first.forward(rows))
+    second = _runner(model, executable_cache_dir=str(tmp_path))
+    assert second.warmup() == n and second._cache.hits == n and second._cache.misses == 0
+    np.testing.assert_array_equal(np.asarray(second.forward(rows)), expected)
+    for f in tmp_path.iterdir():
+        f.write_bytes(b"not an executable")
+    third = _runner(model, executable_cache_dir=str(tmp_path))
+    assert third.warmup() == n and third._cache.misses == n  # every entry unreadable: compiled again
+    np.testing.assert_array_equal(np.asarray(third.forward(rows)), expected)
+
+
+def test_executable_cache_key_follows_sources(model, monkeypatch):
+    from serving.engine import executable_cache as ec
+
+    runner = _runner(model)
+    key, _, args = runner.warmup_plan()[0]
+    before = ec.cache_key(key, args, runner.mesh)
+    assert ec.cache_key(key, args, runner.mesh) == before
+    monkeypatch.setattr(ec, "source_fingerprint", lambda: "edited kernel")
+    assert ec.cache_key(key, args, runner.mesh) != before

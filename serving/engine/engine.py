@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -26,8 +28,12 @@ from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.decode_loop import DecodeLoops, has_penalties
-from serving.engine.runner import ModelRunner, RowInput, pad_sampling, sample_rows, size_kv_pool
+from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, pad_sampling, sample_rows, size_kv_pool
 from serving.engine.speculate import make_spec_decoder
+from sharding.config import check_parallel
+from sharding.mesh import make_mesh
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -64,6 +70,14 @@ class LLMEngine:
         num_blocks = c.num_kv_blocks or size_kv_pool(
             model, c.block_size, model.dtype, c.kv_cache_memory_fraction, default_blocks
         )
+        log.info(
+            "KV pool: %d blocks of %d tokens = %d tokens (%.2f GB of %s)",
+            num_blocks,
+            c.block_size,
+            (num_blocks - 1) * c.block_size,
+            num_blocks * kv_bytes_per_block(model, c.block_size, model.dtype) / 1e9,
+            jax.numpy.dtype(model.dtype).name,
+        )
         self.runner = ModelRunner(
             model,
             num_blocks=num_blocks,
@@ -73,6 +87,8 @@ class LLMEngine:
             max_model_len=max_model_len,
             attention_backend=c.attention_backend,
             max_logits_per_row=1 + c.speculative.num_speculative_tokens,  # a verify row: last token + k drafts
+            executable_cache_dir=_executable_dir(c.compilation_cache_dir),
+            mesh=_mesh(c, model.cfg),
         )
         self.scheduler = Scheduler(
             num_blocks,
@@ -106,7 +122,15 @@ class LLMEngine:
         logprobs compile on their first use.
         """
         c = self.config
-        self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else ())
+        # A CPU host compiles slowly and gathers whole block tables (one width bucket per table size): it warms the
+        # narrowest width only, what prompts up to 16 blocks need; wider tables compile on first use.
+        widths = self.runner.width_buckets[:1] if jax.default_backend() == "cpu" else None
+        t0 = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            log.info("warm-up: %d/%d executables compiled (%.0f s)", done, total, time.perf_counter() - t0)
+
+        self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else (), progress=progress, widths=widths)
         for s in self.runner.decode_buckets:  # the shapes `_sample` passes: float32 logits [s, V], banned [s, 8]
             logits = jax.numpy.zeros((s, self.vocab_size), jax.numpy.float32)
             banned = np.full((s, _MAX_BANNED), -1, np.int32)
@@ -312,6 +336,12 @@ class LLMEngine:
         progress(sum(rid not in self._tracks for rid in rids), len(rids), tokens)
 
 
+def _mesh(c: EngineConfig, model_cfg) -> jax.sharding.Mesh:
+    """The runner's mesh from the parallel degrees (refused with the wrong flag named when the model cannot split)."""
+    check_parallel(c.parallel, model_cfg, jax.device_count())
+    return make_mesh(c.parallel, devices=jax.devices()[: c.parallel.num_devices])
+
+
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:
     hits = [text.find(s) for s in stops if s and s in text]
     return min(hits) if hits else None
@@ -364,3 +394,8 @@ def _banned(reqs: Sequence[Request], s: int) -> np.ndarray:
 def _logprob_entry(req: Request, token, lp, top_ids, top_lp):
     n = req.sampling_params.logprobs or 0
     return (float(lp), [(int(i), float(v)) for i, v in zip(top_ids[:n], top_lp[:n])])
+
+
+def _executable_dir(compilation_cache_dir: str) -> str | None:
+    """Compiled step executables live beside JAX's compilation cache ('' turns both off)."""
+    return os.path.join(os.path.expanduser(compilation_cache_dir), "executables") if compilation_cache_dir else None

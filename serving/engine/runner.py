@@ -43,8 +43,9 @@ from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
 from model.transformer import _param_slots as param_slots
 from pallas_kernels.backend import resolve_backend
+from serving.engine.executable_cache import ExecutableCache
 from sharding.mesh import ParallelConfig, make_mesh
-from sharding.rules import kv_cache_sharding, param_shardings
+from sharding.rules import kv_cache_heads, kv_cache_sharding, param_shardings
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ class ModelRunner:
       kv_dtype: KV page dtype (default the model's dtype).
       mesh: where parameters and KV pages live (default: a mesh of the first device).
       max_logits_per_row: the most logits one row may ask for (1 + the most draft tokens of a verify row).
+      executable_cache_dir: where compiled executables are stored and loaded (serving/engine/executable_cache.py);
+        None: compile every time.
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class ModelRunner:
         kv_dtype=None,
         mesh: jax.sharding.Mesh | None = None,
         max_logits_per_row: int = 1,
+        executable_cache_dir: str | None = None,
     ):
         self.cfg = model.cfg
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), devices=jax.devices()[:1])
@@ -157,13 +161,15 @@ class ModelRunner:
         gathers = resolve_backend(attention_backend, "ragged_paged_attention") in ("xla", "interpret")
         self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
         self.kv_dtype = kv_dtype or model.dtype
-        cache = init_paged_cache(
-            self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim, self.kv_dtype
-        )
+        kv_heads = kv_cache_heads(self.cfg.num_kv_heads, self.mesh)  # repeated up to tp when fewer (model/kv.py)
+        cache = init_paged_cache(self.cfg.num_layers, num_blocks, block_size, kv_heads, self.cfg.head_dim, self.kv_dtype)
         self.kv_cache = [tuple(jax.device_put(a, kv_cache_sharding(a.shape, self.mesh)) for a in kv) for kv in cache]
         self.num_blocks = num_blocks
+        # MoE router load: tokens routed to each expert of each layer [L, E], summed on device over every step.
+        self.router_tokens = jnp.zeros((self.cfg.num_layers, self.cfg.num_experts), jnp.int32)
         self._compiled: dict[tuple, object] = {}
-        self.num_compiles = 0
+        self._cache = ExecutableCache(executable_cache_dir)
+        self.num_compiles = 0  # executables made (compiled, or loaded from the executable cache): none while serving
 
     def _place(self, model: Transformer) -> Transformer:
         """Puts every parameter on the mesh with its NamedSharding from sharding/rules.py (in place)."""
@@ -176,7 +182,6 @@ class ModelRunner:
             else:
                 slot[...] = jax.device_put(slot[...], shardings[name])
         return model
-
 
     def set_params(self, params) -> None:
         """Swaps in new weights without recompiling: `params` has the tree, shapes, dtypes and shardings of
@@ -203,18 +208,19 @@ class ModelRunner:
     # Compilation ---------------------------------------------------------------------------------------------
 
     def _step_fn(self, decode_only: bool):
-        graphdef, backend = self.graphdef, self.backend
+        graphdef, backend, mesh = self.graphdef, self.backend, self.mesh
 
         def step(params, kv, tokens, positions, slots, block_tables, kv_lens, cu_q_lens, num_seqs, logits_idx):
             model = nnx.merge(graphdef, params)
-            meta = PagedMeta(slots, block_tables, kv_lens, cu_q_lens, num_seqs, decode_only, backend)
-            logits, kv = model(tokens[None], positions[None], kv, meta, logits_idx[None])
-            return logits[0], kv
+            meta = PagedMeta(slots, block_tables, kv_lens, cu_q_lens, num_seqs, decode_only, backend, mesh)
+            valid = jnp.arange(tokens.shape[0]) < cu_q_lens[-1]  # padding tokens stay out of the router stats
+            logits, kv, counts = model(tokens[None], positions[None], kv, meta, logits_idx[None], valid[None], True)
+            return logits[0], kv, counts
 
         return jax.jit(step, donate_argnums=(1,))
 
     def _loop_fn(self, num_steps: int):
-        graphdef, backend, bs = self.graphdef, self.backend, self.block_size
+        graphdef, backend, bs, mesh = self.graphdef, self.backend, self.block_size, self.mesh
 
         def loop(params, kv, tokens, positions, block_tables, limits, st: SamplingTensors, banned):
             model = nnx.merge(graphdef, params)
@@ -223,29 +229,39 @@ class ModelRunner:
             cu = jnp.arange(s + 1, dtype=jnp.int32)
 
             def body(i, carry):
-                tok, pos, kv, out_tok, out_lp = carry
+                tok, pos, kv, out_tok, out_lp, routed = carry
                 active = i < limits  # a row past its own limit (or a padding row, limit 0) writes the null page
                 slots = jnp.where(active, block_tables[rows, pos // bs] * bs + pos % bs, 0)
                 kv_lens = jnp.where(active, pos + 1, 0)
-                meta = PagedMeta(slots, block_tables, kv_lens, cu, jnp.int32(s), True, backend)
-                logits, kv = model(tok[None], pos[None], kv, meta, rows[None])
+                meta = PagedMeta(slots, block_tables, kv_lens, cu, jnp.int32(s), True, backend, mesh)
+                logits, kv, counts = model(tok[None], pos[None], kv, meta, rows[None], active[None], True)
                 st_i = dataclasses.replace(st, step=st.step + i)
                 new_tok, lp, _, _ = sample(logits[0], st_i, banned_ids_bn=banned[i])
-                return new_tok, pos + 1, kv, out_tok.at[i].set(new_tok), out_lp.at[i].set(lp)
+                return new_tok, pos + 1, kv, out_tok.at[i].set(new_tok), out_lp.at[i].set(lp), routed + counts
 
-            init = (tokens, positions, kv, jnp.zeros((num_steps, s), jnp.int32), jnp.zeros((num_steps, s), jnp.float32))
-            _, _, kv, out_tok, out_lp = jax.lax.fori_loop(0, num_steps, body, init)
-            return out_tok, out_lp, kv
+            routed = jnp.zeros((self.cfg.num_layers, self.cfg.num_experts), jnp.int32)
+            outs = (jnp.zeros((num_steps, s), jnp.int32), jnp.zeros((num_steps, s), jnp.float32), routed)
+            _, _, kv, out_tok, out_lp, routed = jax.lax.fori_loop(0, num_steps, body, (tokens, positions, kv, *outs))
+            return out_tok, out_lp, kv, routed
 
         return jax.jit(loop, donate_argnums=(1,))
 
     def _executable(self, key: tuple, build, args):
         exe = self._compiled.get(key)
         if exe is None:
-            exe = build().lower(*args).compile()
+            exe = self._cache.load(key, args, self.mesh, self._out_tree(key))
+            if exe is None:
+                exe = build().lower(*args).compile()
+                self._cache.store(key, args, self.mesh, exe)
             self._compiled[key] = exe
             self.num_compiles += 1
         return exe
+
+    def _out_tree(self, key: tuple):
+        """Output structure of an executable: step -> (logits, kv, router counts), loop -> (tokens, logprobs, kv,
+        router counts)."""
+        heads = (0,) if key[0] == "step" else (0, 0)
+        return jax.tree.structure((*heads, self.kv_cache, 0))
 
     def _step_args(self, t: int, s: int, w: int, n_logits: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -257,10 +273,12 @@ class ModelRunner:
         banned = i32(num_steps, s, self._max_banned)
         return (self.params, self.kv_cache, i32(s), i32(s), i32(s, w), i32(s), st, banned)
 
-    def warmup_plan(self, decode_loop_steps: Sequence[int] = ()) -> list[tuple[tuple, Callable, tuple]]:
-        """(key, build, abstract args) of every executable serving can ask for."""
+    def warmup_plan(
+        self, decode_loop_steps: Sequence[int] = (), widths: Sequence[int] | None = None
+    ) -> list[tuple[tuple, Callable, tuple]]:
+        """(key, build, abstract args) of every executable serving can ask for (at the given table widths)."""
         plan = []
-        for w in self.width_buckets:
+        for w in self.width_buckets if widths is None else widths:
             for t in self.token_buckets:
                 for n_logits in self.logit_buckets:
                     key = ("step", t, self.max_num_seqs, w, False, n_logits)
@@ -284,24 +302,42 @@ class ModelRunner:
         decode_loop_steps: Sequence[int] = (),
         progress: Callable[[int, int], None] | None = None,
         threads: int | None = None,
+        widths: Sequence[int] | None = None,
     ) -> int:
         """Compiles every bucket ahead of serving; returns how many executables exist.
 
         Lowering (Python, holds the GIL) runs one by one; XLA compilation runs in `threads` parallel threads
         (default: half the host's cores, at least 1). progress(done, total) is called after each compilation.
         """
-        todo = [(k, b, a) for k, b, a in self.warmup_plan(decode_loop_steps) if k not in self._compiled]
+        todo = []
+        for key, build, args in self.warmup_plan(decode_loop_steps, widths):
+            if key in self._compiled:
+                continue
+            exe = self._cache.load(key, args, self.mesh, self._out_tree(key))
+            if exe is None:
+                todo.append((key, build, args))
+            else:
+                self._compiled[key] = exe
+                self.num_compiles += 1
         threads = threads or max(1, (os.cpu_count() or 2) // 2)
         t0, done = time.perf_counter(), 0
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures = {pool.submit(build().lower(*args).compile): key for key, build, args in todo}
+            futures = {pool.submit(build().lower(*args).compile): (key, args) for key, build, args in todo}
             for fut in concurrent.futures.as_completed(futures):
-                self._compiled[futures[fut]] = fut.result()
+                key, args = futures[fut]
+                self._compiled[key] = exe = fut.result()
+                self._cache.store(key, args, self.mesh, exe)
                 self.num_compiles += 1
                 done += 1
                 if progress is not None:
                     progress(done, len(todo))
-        log.info("compiled %d executables in %.1f s (%d threads)", len(todo), time.perf_counter() - t0, threads)
+        log.info(
+            "compiled %d executables in %.1f s (%d threads); %d loaded from the executable cache",
+            len(todo),
+            time.perf_counter() - t0,
+            threads,
+            self._cache.hits,
+        )
         return len(self._compiled)
 
     def _get_step(self, t: int, s: int, w: int, decode_only: bool, n_logits: int):
@@ -377,8 +413,13 @@ class ModelRunner:
         (rows past the sum of num_logits: junk)."""
         arrays, (t, s, w, decode_only, n_logits) = self.prepare(rows)
         exe = self._get_step(t, s, w, decode_only, n_logits)
-        logits, self.kv_cache = exe(self.params, self.kv_cache, *arrays)
+        logits, self.kv_cache, counts = exe(self.params, self.kv_cache, *arrays)
+        self._count_routed(counts)
         return logits
+
+    def _count_routed(self, counts: jax.Array) -> None:
+        if self.cfg.is_moe:  # one small device add, no sync
+            self.router_tokens = _add(self.router_tokens, counts)
 
     def decode_loop(
         self,
@@ -417,9 +458,10 @@ class ModelRunner:
             last = np.where(idx >= 0, prev.limits[np.maximum(idx, 0)] - 1, 0).astype(np.int32)
             tokens_in = _chain_tokens(prev.tokens, jnp.asarray(idx), jnp.asarray(last), tokens)
         exe = self._get_loop(num_steps, s, w)
-        out_tok, out_lp, self.kv_cache = exe(
+        out_tok, out_lp, self.kv_cache, counts = exe(
             self.params, self.kv_cache, tokens_in, positions, tables, row_limits, st, banned_full
         )
+        self._count_routed(counts)
         return LoopHandle(out_tok, out_lp, len(rows), row_limits[: len(rows)].copy())
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -438,6 +480,11 @@ def _chain_tokens(prev_tokens, index, last, host_tokens):
     """Input tokens of a chained loop: row i takes prev_tokens[last[i], index[i]] where index[i] >= 0."""
     picked = prev_tokens[last, jnp.maximum(index, 0)]
     return jnp.where(index >= 0, picked, host_tokens)
+
+
+@jax.jit
+def _add(a, b):
+    return a + b
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), keep_unused=True)
