@@ -133,8 +133,10 @@ class Tokenizer:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special-token strings in the text map to their ids."""
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special-token strings in the text map to their ids. (encode_batch releases the
+        GIL while it runs, encode does not: a long text tokenised on a server's worker thread must not stall its
+        event loop.)"""
+        ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids

@@ -26,6 +26,7 @@ TOOL_TEXT = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}<
 
 class FakeTokenizer:
     eos_token_ids = ()
+    max_token_chars = 1  # one character per token
 
     def __init__(self):
         self.encode_delay_s = 0.0

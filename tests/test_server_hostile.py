@@ -133,6 +133,15 @@ def test_prompts_times_n_are_counted_before_encoding(live):
     assert live.llm.tokenizer.encode_calls == calls  # nothing was encoded
 
 
+def test_text_too_long_for_any_tokenisation_is_refused_unencoded(live):
+    calls = live.llm.tokenizer.encode_calls
+    r = live.post("/v1/completions", _completion(prompt="x" * 300))  # > 256 tokens of at most 1 character
+    assert "300 characters" in _error(r, 400)["message"]
+    r = live.post("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "y" * 300}]))
+    assert _error(r, 400)["code"] == "context_length_exceeded"
+    assert live.llm.tokenizer.encode_calls == calls
+
+
 def test_tokenising_runs_off_the_event_loop(live):
     live.llm.tokenizer.encode_delay_s = 2.0
     try:

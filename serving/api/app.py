@@ -113,6 +113,7 @@ def create_app(
         if warmup:
             _smoke_request(engine)
         state.kv_capacity_tokens = _kv_capacity_tokens(engine)
+        state.max_token_chars = _max_token_chars(llm.tokenizer)
         state.llm = llm
         return engine
 
@@ -177,6 +178,15 @@ def _kv_capacity_tokens(engine) -> int | None:
     if kv is None:
         return None
     return kv.num_usable_blocks * kv.block_size
+
+
+def _max_token_chars(tokenizer) -> int | None:
+    """Most characters of text one token can cover: its vocabulary string's length (byte-level BPE spells each
+    byte as one character, so this bounds bytes and characters alike). None when unknown."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return getattr(tokenizer, "max_token_chars", None)
+    return max(len(t) for t in hf.get_vocab(with_added_tokens=True))
 
 
 def _smoke_request(engine) -> None:

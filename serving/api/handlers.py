@@ -68,6 +68,7 @@ class ServerState:
     llm: Any = None
     draining: bool = False
     kv_capacity_tokens: int | None = None
+    max_token_chars: int | None = None
     max_body_bytes: int = 16 << 20
     body_timeout_s: float = 60.0
     protect_metrics: bool = False
@@ -93,6 +94,19 @@ class ServerState:
                 f"The model `{name}` does not exist (this server serves `{self.model_name}`)",
                 param="model",
                 code="model_not_found",
+            )
+
+    def check_text_fits(self, num_chars: int, param: str) -> None:
+        """Refuses, without tokenising, a text longer than any max_model_len tokens can spell (each token
+        covers at most max_token_chars characters), so a huge prompt costs no tokeniser time."""
+        limit = self.llm.max_model_len
+        if self.max_token_chars is not None and num_chars > limit * self.max_token_chars:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the {param} has {num_chars} characters, "
+                f"more than {limit} tokens can hold (at most {self.max_token_chars} characters each)",
+                param=param,
+                code="context_length_exceeded",
             )
 
     def check_count(self, num_sequences: int, param: str) -> None:
@@ -146,6 +160,9 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
         raise OpenAIError(400, "suffix is not supported", param="suffix")
     n_seq = body.best_of or body.n
     state.check_count(body.num_prompts() * n_seq, "n" if body.best_of is None else "best_of")
+    texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
+    for text in texts:
+        state.check_text_fits(len(text), "prompt")
     prompts = await asyncio.to_thread(_completion_prompts, llm, body.prompt)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for _, ids in prompts:
@@ -248,6 +265,7 @@ async def chat(state: ServerState, body: ChatCompletionRequest, request: Request
             param="tool_choice",
         )
     use_tools = bool(body.tools) and body.tool_choice != "none"
+    state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
     text, ids = await asyncio.to_thread(_chat_prompt, llm, body, use_tools)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or _default_max_tokens(state, llm, len(ids))
