@@ -242,3 +242,17 @@ def test_truncated_model_shares_the_target_arrays(llm):
     assert all(ours[n] is theirs[n] or np.shares_memory(ours[n], theirs[n]) for n in ours)
     with pytest.raises(ValueError, match="speculative_draft_layers"):
         truncated_model(llm.model, llm.model.cfg.num_layers)
+
+
+def test_acceptance_metrics_reach_prometheus():
+    from serving.api.async_engine import EngineStats
+    from serving.api.metrics import ServerMetrics
+    from serving.engine.speculate import SpecCounters
+
+    counters = SpecCounters(passes=4, drafted=10, accepted=8, emitted=12)
+    text = ServerMetrics(lambda: EngineStats(speculative={"ngram": counters.as_dict()})).render().decode()
+    assert 'pallas_serve_spec_draft_tokens_total{method="ngram"} 10.0' in text
+    assert 'pallas_serve_spec_accepted_tokens_total{method="ngram"} 8.0' in text
+    assert 'pallas_serve_spec_acceptance_rate{method="ngram"} 0.8' in text
+    assert 'pallas_serve_spec_mean_emitted_per_pass{method="ngram"} 3.0' in text
+    assert "spec_" not in ServerMetrics(lambda: EngineStats()).render().decode()  # off: no series

@@ -69,6 +69,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_step_failures: int = 0
+    speculative: dict = dataclasses.field(default_factory=dict)  # method -> SpecDecoder.metrics() totals
 
 
 _ACCEPTED = object()  # First item of a stream whose requests the engine took.
@@ -442,6 +443,7 @@ class AsyncEngine:
             num_preemptions=s.num_preemptions,
             num_steps=self.engine.num_steps,
             num_step_failures=self.stats.num_step_failures,
+            speculative=spec.metrics() if (spec := getattr(self.engine, "spec", None)) is not None else {},
         )
 
 

@@ -59,6 +59,31 @@ class _EngineCollector:
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        yield from _speculative_families(s.speculative)
+
+
+_SPEC_COUNTERS = (  # SpecDecoder.metrics() key, metric name, help; exposed with the _total suffix, per method
+    ("passes", "spec_verify_passes", "Verify passes of rows with draft tokens, by speculative method."),
+    ("drafted", "spec_draft_tokens", "Draft tokens verified, by speculative method."),
+    ("accepted", "spec_accepted_tokens", "Draft tokens accepted, by speculative method."),
+    ("emitted", "spec_emitted_tokens", "Tokens emitted by verify passes (accepted + one each), by method."),
+)
+_SPEC_GAUGES = (
+    ("acceptance_rate", "spec_acceptance_rate", "Accepted / drafted tokens since start, by speculative method."),
+    ("mean_emitted_per_pass", "spec_mean_emitted_per_pass", "Tokens emitted per verify pass since start, by method."),
+)
+
+
+def _speculative_families(per_method: dict):
+    """Acceptance counters and rates of speculative decoding, one sample per method (none while it is off)."""
+    if not per_method:
+        return
+    for families, kind in ((_SPEC_COUNTERS, CounterMetricFamily), (_SPEC_GAUGES, GaugeMetricFamily)):
+        for key, name, doc in families:
+            family = kind(f"{PREFIX}_{name}", doc, labels=["method"])
+            for method, m in per_method.items():
+                family.add_metric([method], m[key])
+            yield family
 
 
 class ServerMetrics:
