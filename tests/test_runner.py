@@ -176,3 +176,19 @@ def test_executable_cache_key_follows_sources(model, monkeypatch):
     assert ec.cache_key(key, args, runner.mesh) == before
     monkeypatch.setattr(ec, "source_fingerprint", lambda: "edited kernel")
     assert ec.cache_key(key, args, runner.mesh) != before
+
+
+def test_steps_never_copy_the_kv_pool(model):
+    """A step's cost follows its work, not the pool: no compiled step, ragged step or decode loop copies a KV
+    page array (XLA once fused the page scatter into the attention read and copied the donated pool per layer)."""
+    runner = _runner(model, num_blocks=96)
+    pool = f"f32[{model.cfg.num_kv_heads},96,{BS},{model.cfg.head_dim}]"
+    w = runner.width_buckets[0]
+    executables = {
+        "decode": runner._get_step(1, 1, w, True, 1),
+        "ragged": runner._get_step(16, runner.max_num_seqs, w, False, runner.max_num_seqs),
+        "loop": runner._get_loop(4, 1, w),
+    }
+    for name, exe in executables.items():
+        copies = [line for line in exe.as_text().splitlines() if " copy(" in line and pool in line]
+        assert not copies, f"{name} copies the KV pool: {copies[:2]}"
