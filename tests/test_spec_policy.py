@@ -159,3 +159,20 @@ def test_cost_model():
     b = cost.break_even_batch(0.8, 4)
     assert cost.tokens_per_cost([0.8] * (b - 1), [4] * (b - 1)) > cost.tokens_per_cost([0.8] * (b - 1), [0] * (b - 1))
     assert cost.tokens_per_cost([0.8] * b, [4] * b) <= cost.tokens_per_cost([0.8] * b, [0] * b)
+
+
+def test_a_request_below_the_smallest_tier_only_probes():
+    pol = SpecPolicy(SpecPolicyConfig(probe_every=4))
+    for _ in range(10):
+        pol.observe("weak", 1, 0)  # never accepted: a -> 0, a^1 < min_accept_prob
+    pol.observe("good", 3, 3)
+    ks = [pol.num_speculative_tokens(["weak", "good"]) for _ in range(12)]
+    assert [k[0] for k in ks] == [0, 0, 0, 1] * 3  # a probe every 4th step keeps the EMA current
+    assert all(k[1] >= 1 for k in ks)
+    for _ in range(10):
+        pol.observe("weak", 1, 1)  # it got better: drafts every step again
+    assert all(pol.num_speculative_tokens(["weak"])[0] >= 1 for _ in range(4))
+    off = SpecPolicy(SpecPolicyConfig())  # probe_every 0: the smallest tier on every step, however bad
+    for _ in range(10):
+        off.observe("weak", 1, 0)
+    assert [off.num_speculative_tokens(["weak"])[0] for _ in range(4)] == [1] * 4

@@ -14,7 +14,9 @@ throughput. The policy therefore decides, every step, a draft budget k_r per run
     started from `prior_acceptance` with `prior_weight` trials.
   * tier(a): the largest tier t (e.g. 1/3/5/7) whose last draft is still accepted with probability
     a^t >= `min_accept_prob` (the expected gain of the t-th draft is a^t tokens); at least the smallest tier, so
-    every request keeps being measured.
+    every request keeps being measured. With `probe_every` = n > 0, a request whose even smallest tier fails
+    (a^t0 < min_accept_prob: drafting costs more than it wins, e.g. a weak draft model) drafts only on every n-th
+    step, a probe that keeps its EMA current so it can climb back.
   * load_factor(B), B the running batch: 1 up to B0 = threshold / ramp_ratio, 0 from the threshold on, and
     log(threshold / B) / log(ramp_ratio) in between: k shrinks geometrically in B instead of falling off a cliff.
     Why geometric: in the memory-bound regime plain throughput grows like B, so each +1 in B buys a factor
@@ -65,6 +67,7 @@ class SpecPolicyConfig:
     ema_decay: float = 0.8
     prior_acceptance: float = 0.6
     prior_weight: float = 2.0
+    probe_every: int = 0
 
     def __post_init__(self):
         if self.batch_threshold < 1:
@@ -81,6 +84,8 @@ class SpecPolicyConfig:
             raise ValueError(f"prior_acceptance must be in [0, 1], got {self.prior_acceptance}")
         if self.prior_weight <= 0.0:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if self.probe_every < 0:
+            raise ValueError(f"probe_every must be >= 0 (0: always draft the smallest tier), got {self.probe_every}")
 
     @property
     def max_k(self) -> int:
@@ -91,6 +96,7 @@ class SpecPolicyConfig:
 class _RequestStats:
     successes: float
     trials: float
+    skipped: int = 0  # steps since the last probe, while below the smallest tier
 
 
 class SpecPolicy:
@@ -135,7 +141,20 @@ class SpecPolicy:
         f = self.load_factor(len(request_ids) if batch_size is None else batch_size)
         if f == 0.0:
             return [0] * len(request_ids)
-        return [min(self.tier(r), math.floor(f * self.tier(r) + _offset(r))) for r in request_ids]
+        return [
+            0 if self._resting(r) else min(self.tier(r), math.floor(f * self.tier(r) + _offset(r))) for r in request_ids
+        ]
+
+    def _resting(self, request_id: Hashable) -> bool:
+        """Below the smallest tier with probing on: True except on every probe_every-th call."""
+        c, s = self.config, self._stats.get(request_id)
+        if not c.probe_every or s is None or self.acceptance(request_id) ** c.tiers[0] >= c.min_accept_prob:
+            return False
+        s.skipped += 1
+        if s.skipped < c.probe_every:
+            return True
+        s.skipped = 0
+        return False
 
     # Feedback ----------------------------------------------------------------------------------------------------
 

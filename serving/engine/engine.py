@@ -195,7 +195,8 @@ class LLMEngine:
                 return self._apply(out, *self._run_step(out), None)
             self._inflight = self.loops.launch(out, limits)
         cur = self._inflight
-        self._inflight = self.loops.chain(cur) if self.overlap else None
+        drafting = self.spec is not None and self.spec.active()  # back to the host: drafts may exist next step
+        self._inflight = self.loops.chain(cur) if self.overlap and not drafting else None
         out, sampled, computed = self.loops.collect(cur)
         return self._apply(out, sampled, None, computed)
 

@@ -64,12 +64,13 @@ class SpecCounters:
         )
 
 
-def policy_config(max_k: int, batch_threshold: int) -> SpecPolicyConfig:
-    """Tiers 1/3/5/7 up to max_k (max_k itself the top tier); threshold 0: no load ramp."""
+def policy_config(max_k: int, batch_threshold: int, probe_every: int = 8) -> SpecPolicyConfig:
+    """Tiers 1/3/5/7 up to max_k (max_k itself the top tier); threshold 0: no load ramp; a request whose
+    acceptance fails even tier 1 drafts on every `probe_every`-th step only."""
     tiers = tuple(sorted({t for t in (1, 3, 5, 7) if t < max_k} | {max_k}))
     if batch_threshold == 0:
-        return SpecPolicyConfig(batch_threshold=_UNBOUNDED, ramp_ratio=1.0, tiers=tiers)
-    return SpecPolicyConfig(batch_threshold=batch_threshold, tiers=tiers)
+        return SpecPolicyConfig(batch_threshold=_UNBOUNDED, ramp_ratio=1.0, tiers=tiers, probe_every=probe_every)
+    return SpecPolicyConfig(batch_threshold=batch_threshold, tiers=tiers, probe_every=probe_every)
 
 
 class SpecDecoder:
@@ -104,6 +105,10 @@ class SpecDecoder:
     runner = property(lambda self: self._engine.runner)
 
     # Before and after the scheduler --------------------------------------------------------------------------
+
+    def active(self) -> bool:
+        """Whether the policy would draft at the current batch size (else decode loops may chain freely)."""
+        return self.policy.load_factor(len(self.scheduler.running)) > 0.0
 
     def before_schedule(self) -> None:
         """Sets each running decode row's spec_token_ids: drafts (host proposer) or k placeholders."""
@@ -226,7 +231,7 @@ class SpecDecoder:
 
 def _may_speculate(req: Request) -> bool:
     p = req.sampling_params
-    return not has_penalties(p) and p.logprobs is None
+    return not has_penalties(p) and p.logprobs is None and p.constraint is None  # a grammar masks one token at a time
 
 
 def _banned_per_position(req: Request, k1: int) -> np.ndarray:

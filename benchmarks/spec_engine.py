@@ -1,0 +1,177 @@
+"""Batch-1 tokens/s with and without speculative decoding, per proposer and domain, through the engine.
+
+    PYTHONPATH=. python benchmarks/spec_engine.py --max_tokens 48 --out benchmarks/results/spec_engine_cpu.json
+
+One LLM (SmolLM2 by default, greedy) serves every method: plain decoding (`off`, the engine's default path with
+`decode_steps`-long on-device loops), then each proposer swapped in as the engine's SpecDecoder over the same
+runner: `ngram` (prompt lookup), `self` (the target's first --self_layers layers + its head, sharing the target's
+KV), `draft` (a separate draft model with its own paged KV: the target's first --draft_layers layers as a copy; or
+--draft_model, a checkpoint path, e.g. SmolLM2 itself for the acceptance ceiling). Prompts are the Lab 02 ones
+(benchmarks/spec_acceptance.py: stdlib code, licence prose, copy-heavy chat turns). Requests run one at a time
+(batch 1); every method runs all its requests twice and the second pass is timed (the first compiles). Reported per method and domain:
+decode tokens/s (generated tokens after the first / time from first to last token), speedup over `off`,
+acceptance rate and mean emitted tokens per verify pass (SpecDecoder counters), and whether the tokens equal
+`off`'s (greedy: they must).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import subprocess
+import time
+
+from benchmarks.spec_acceptance import build_prompts
+from serving.core.spec_policy import SpecPolicy
+from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, truncated_model
+from serving.engine.engine import _logprob_entry, _sampling_tensors
+from serving.engine.llm import LLM
+from serving.engine.runner import ModelRunner
+from serving.engine.speculate import SpecDecoder, policy_config
+
+
+def _decoders(llm: LLM, args) -> dict:
+    """method -> SpecDecoder (None: plain decoding) over the LLM's engine."""
+    engine, model, k = llm.engine, llm.model, args.k
+    r = engine.runner
+    spec = engine.config.speculative
+
+    def decoder(proposer):
+        policy = SpecPolicy(policy_config(k, 0))
+        return SpecDecoder(engine, proposer, k, policy, _sampling_tensors, _logprob_entry)
+
+    self_spec = dataclasses.replace(spec, method="self", speculative_draft_layers=args.self_layers)
+    if args.draft_model:
+        draft = make_model_proposer(
+            "draft",
+            r,
+            model,
+            dataclasses.replace(spec, method="draft", speculative_model=args.draft_model),
+            model.dtype,
+        )
+    else:
+        copy = ModelRunner(
+            truncated_model(model, args.draft_layers),
+            num_blocks=r.num_blocks,
+            block_size=r.block_size,
+            max_num_seqs=r.max_num_seqs,
+            max_num_batched_tokens=r.token_buckets[-1],
+            max_model_len=r.max_blocks * r.block_size,
+            attention_backend=r.backend,
+        )
+        draft = ModelDraftProposer(copy, "draft")
+    return dict(
+        off=None,
+        ngram=engine.spec,
+        self=decoder(make_model_proposer("self", r, model, self_spec, model.dtype)),
+        draft=decoder(draft),
+    )
+
+
+def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int) -> dict:
+    engine = llm.engine
+    engine.spec = spec
+    before = spec.counters.as_dict() if spec is not None else None
+    tokens, seconds, outs = 0, 0.0, []
+    for ids in prompts:
+        (o,) = engine.generate([None], [ids], max_tokens=max_tokens, temperature=0.0)
+        n, dt = len(o.token_ids), o.metrics["e2e_s"] - o.metrics["ttft_s"]
+        tokens, seconds = tokens + n - 1, seconds + dt
+        outs.append(list(o.token_ids))
+    row = dict(decode_tokens=tokens, decode_s=round(seconds, 3), tokens_per_s=round(tokens / seconds, 2), outputs=outs)
+    if spec is not None:
+        after = spec.counters.as_dict()
+        d = {key: after[key] - before[key] for key in ("passes", "drafted", "accepted", "emitted")}
+        d["acceptance_rate"] = round(d["accepted"] / d["drafted"], 4) if d["drafted"] else 0.0
+        d["mean_emitted_per_pass"] = round(d["emitted"] / d["passes"], 3) if d["passes"] else 0.0
+        row.update(d)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="target checkpoint (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--max_tokens", type=int, default=48)
+    ap.add_argument("--prompt_chars", type=int, default=600)
+    ap.add_argument("--prompts_per_domain", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (the policy's top tier)")
+    ap.add_argument("--self_layers", type=int, default=15)
+    ap.add_argument("--draft_layers", type=int, default=8)
+    ap.add_argument("--draft_model", default=None, help="a draft checkpoint instead of the truncated copy")
+    ap.add_argument("--decode_steps", type=int, default=8)
+    ap.add_argument("--attention_backend", default=None)
+    ap.add_argument("--methods", default="off,ngram,self,draft")
+    ap.add_argument("--out", default="benchmarks/results/spec_engine_cpu.json")
+    args = ap.parse_args()
+
+    options = dict(
+        max_model_len=1024,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        num_kv_blocks=160,
+        decode_steps=args.decode_steps,
+    )
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
+    llm = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.k, **options)
+    domains = {
+        d: [llm.encode_prompt(text, chat=chat) for text, chat in items[: args.prompts_per_domain]]
+        for d, items in build_prompts(args.prompt_chars).items()
+    }
+    decoders = _decoders(llm, args)
+    methods = args.methods.split(",")
+    result = dict(
+        command="PYTHONPATH=. python benchmarks/spec_engine.py "
+        + " ".join(f"--{k}={v}" for k, v in vars(args).items()),
+        commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        host=f"{platform.processor() or platform.machine()}, {platform.system()}",
+        backend=llm.engine.runner.backend or "default",
+        model=llm.name,
+        methods={},
+    )
+    for m in methods:
+        for p in domains.values():  # a first, untimed pass compiles every shape these requests meet
+            _run(llm, decoders[m], p, args.max_tokens)
+        result["methods"][m] = {d: _run(llm, decoders[m], p, args.max_tokens) for d, p in domains.items()}
+        print(
+            m, {d: (r["tokens_per_s"], r.get("acceptance_rate")) for d, r in result["methods"][m].items()}, flush=True
+        )
+    base = result["methods"].get("off")
+    for per in result["methods"].values():
+        for d, r in per.items():
+            if base is not None:
+                r["speedup"] = round(r["tokens_per_s"] / base[d]["tokens_per_s"], 3)
+                r["identical_to_off"] = r["outputs"] == base[d]["outputs"]
+    for per in result["methods"].values():
+        for r in per.values():
+            r.pop("outputs")
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    print(
+        json.dumps(
+            {
+                m: {
+                    d: {
+                        k: r.get(k)
+                        for k in (
+                            "tokens_per_s",
+                            "speedup",
+                            "acceptance_rate",
+                            "mean_emitted_per_pass",
+                            "identical_to_off",
+                        )
+                    }
+                    for d, r in per.items()
+                }
+                for m, per in result["methods"].items()
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
