@@ -261,3 +261,52 @@ def test_update_weights_under_tensor_parallelism():
         [sys.executable, "-c", TP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_rl_example_on_smollm2(tmp_path):
+    """examples/rl_loop.py run small: SFT, two generate / score / policy-gradient / update_weights rounds, and a
+    final generation. The engine's logprobs match the trainer's at the weights that sampled; after the last update
+    they differ from before and equal a fresh LLM.from_params on the trained weights; nothing compiled after the
+    first round (engine steps and the train step)."""
+    from checkpoints.loader import default_model_path
+
+    try:
+        default_model_path(download=False)
+    except FileNotFoundError:
+        pytest.skip("the default SmolLM2 checkpoint is not cached (python -m checkpoints.fetch_default)")
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import rl_loop
+    finally:
+        sys.path.pop(0)
+    opts = dict(
+        attention_backend="xla",
+        max_num_batched_tokens=32,
+        decode_steps=1,
+        warmup=False,
+        compilation_cache_dir=str(tmp_path),  # the fresh engine below loads the executables the first compiled
+    )
+    res = rl_loop.run(
+        sft_steps=2,
+        iterations=2,
+        max_tokens=6,
+        seq_len=24,
+        prompt_tokens=10,
+        log=lambda s: print(s, flush=True),
+        **opts,
+    )
+    llm, prompts, samples = res["llm"], res["prompts"], res["samples"]
+    assert res["compiles_at_end"] == res["compiles_after_first"]
+    assert all(h["trainer_engine_gap"] < 1e-3 for h in res["history"])
+    assert res["history"][0]["seeds"] != res["history"][1]["seeds"]
+    after = llm.logprobs(prompts, samples)
+    before = res["sample_logprobs_before_update"]
+    assert max(np.abs(a.token_logprobs - b).max() for a, b in zip(after, before)) > 1e-4
+    # The fresh engine repeats the updated one's calls in order, so their prefix caches (which decide how prompts
+    # are split into steps, hence float rounding) are in the same state at each call.
+    fresh = LLM.from_params(llm.config, res["model"], tokenizer=llm.tokenizer, **res["engine_options"])
+    again = fresh.generate(prompts, max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+    assert [o.token_ids for o in again] == [o.token_ids for o in res["final"]]
+    np.testing.assert_array_equal([o.logprobs for o in again], [o.logprobs for o in res["final"]])
+    for a, b in zip(after, fresh.logprobs(prompts, samples)):
+        np.testing.assert_array_equal(a.token_logprobs, b.token_logprobs)
