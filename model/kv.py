@@ -102,6 +102,11 @@ class PagedMeta:
     `slot_mapping[t]` (= page * page_size + offset); then attention runs either the ragged kernel (mixed prefill
     chunks and decode rows; causal inside each chunk) or, when every sequence has exactly one query token and
     T == num sequence slots, the paged decode kernel.
+
+    Tensor parallelism (`mesh` with a tensor axis > 1): the KV write and the kernel run inside `jax.shard_map`,
+    each device on its own query heads and KV-head pages, with no communication. With fewer KV heads than devices
+    the pool holds each KV head repeated tp / Hkv times (sharding/rules.py `kv_cache_heads`), so every device
+    still owns exactly the one KV head its query heads read; new K/V are repeated the same way before the write.
     """
 
     slot_mapping: jax.Array  # [T] int32
@@ -111,19 +116,42 @@ class PagedMeta:
     num_seqs: jax.Array  # [] int32
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
     backend: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))  # jax.sharding.Mesh or None
 
     def attend(self, q, k, v, positions, cache):
+        k_pages, v_pages = cache
+        repeat = k_pages.shape[0] // k.shape[2]  # > 1: KV heads repeated to the tensor-parallel degree
+        if repeat > 1:
+            k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+        tp = 1 if self.mesh is None else dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("tensor", 1)
+        if tp == 1 or q.shape[2] % tp or k_pages.shape[0] % tp:
+            out, k_pages, v_pages = self._write_attend(q[0], k[0], v[0], k_pages, v_pages)
+            return out[None], (k_pages, v_pages)
+        from jax.sharding import PartitionSpec as P
+
+        heads, pages, rep = P(None, "tensor", None), P("tensor", None, None, None), P()
+        fn = jax.shard_map(
+            lambda meta, *a: meta._write_attend(*a),
+            mesh=self.mesh,
+            in_specs=(rep, heads, heads, heads, pages, pages),
+            out_specs=(heads, pages, pages),
+            check_vma=False,
+        )
+        out, k_pages, v_pages = fn(self, q[0], k[0], v[0], k_pages, v_pages)
+        return out[None], (k_pages, v_pages)
+
+    def _write_attend(self, q, k, v, k_pages, v_pages):
+        """KV write then the kernel on one device's heads: q [T, Hq, hd], k/v [T, Hkv, hd] -> (out, pages)."""
         from pallas_kernels.paged_attention import paged_attention
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-        k_pages, v_pages = cache
-        k_pages = write_pages(k_pages, k[0], self.slot_mapping)
-        v_pages = write_pages(v_pages, v[0], self.slot_mapping)
+        k_pages = write_pages(k_pages, k, self.slot_mapping)
+        v_pages = write_pages(v_pages, v, self.slot_mapping)
         if self.decode_only:
-            out = paged_attention(q[0], k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend)
+            out = paged_attention(q, k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend)
         else:
             out = ragged_paged_attention(
-                q[0],
+                q,
                 k_pages,
                 v_pages,
                 self.block_tables,
@@ -132,7 +160,7 @@ class PagedMeta:
                 self.num_seqs,
                 backend=self.backend,
             )
-        return out[None], (k_pages, v_pages)
+        return out, k_pages, v_pages
 
 
 def write_pages(pages: jax.Array, new_thd: jax.Array, slots_t: jax.Array) -> jax.Array:

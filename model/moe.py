@@ -13,20 +13,34 @@ Data flow for x [T, D] (any leading dims are flattened), E experts, top-k, exper
 
 Dropless: every assignment is computed (no capacity factor), so the grouped matmul sees ragged group sizes.
 Expert weights go through `expert_matmul`, the grouped counterpart of `model.quant.matmul` (the one place a
-quantised expert format will be added; plain arrays today). Expert parallelism will split E across the "expert"
-mesh axis and replace the sort with an all-to-all; the router and the combine stay as they are.
+quantised expert format will be added; plain arrays today).
+
+Expert parallelism (`mesh` given and sharding/rules.py splitting E over its expert/tensor axes, n shards): the
+router runs replicated, then inside `jax.shard_map` each device holds E/n experts and every token's routing:
+
+    local experts e0 .. e0 + E/n    their assignments are one contiguous run of the expert-sorted order, starting
+                                    at starts[e0]; the order is rotated so that the run comes first, and the
+                                    grouped matmul with the E/n local group sizes computes exactly those rows
+                                    (rows past the local groups come out zero)
+    combine                         each device's weighted partial sum [T, D], then one psum over the n shards
+
+Tokens are not moved (they are replicated over the expert axis already), so dispatch needs no all-to-all; the
+price is the one psum of [T, D] per layer, the same as a tensor-parallel MLP's all-reduce.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.quant import QuantizedArray, matmul
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import grouped_matmul as gm
+from sharding.rules import param_partition_spec
 
 
 def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs | None, fan_in: int) -> nnx.Param:
@@ -86,17 +100,25 @@ class MoEMLP(nnx.Module):
             self.shared_w_up = _param((d, fs), dtype, rngs, d)
             self.shared_w_down = _param((fs, d), dtype, rngs, fs)
 
-    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, valid: jax.Array | None = None, mesh: jax.sharding.Mesh | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """y [..., D] and tokens_per_expert [E] int32 for x [..., D].
 
         `valid` [...] bool (optional) marks real tokens: padding rows of a bucketed batch are still computed
         (dispatch is dropless and shape-static) but left out of the statistics, which then sum to valid * k.
+        `mesh` (optional): the experts run split over it where sharding/rules.py splits them (module docstring).
         """
         lead, d = x.shape[:-1], x.shape[-1]
         x_td = x.reshape(-1, d)
         logits_te = matmul(x_td, self.w_router.get_value(), out_dtype=jnp.float32)
         weights_tk, experts_tk = route(logits_te, self.top_k, self.renormalize)
-        y_td, group_sizes = self._experts(x_td, weights_tk, experts_tk)
+        axes = self._expert_axes(mesh)
+        if axes:
+            y_td = self._experts_sharded(x_td, weights_tk, experts_tk, mesh, axes)
+            group_sizes = jnp.bincount(experts_tk.reshape(-1), length=self.num_experts).astype(jnp.int32)
+        else:
+            y_td, group_sizes = self._experts(x_td, weights_tk, experts_tk)
         if self.has_shared:
             y_td = y_td + self._shared(x_td)
         if valid is None:
@@ -121,6 +143,40 @@ class MoEMLP(nnx.Module):
         y_tkd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)  # un-sort
         y_td = jnp.einsum("tkd,tk->td", y_tkd.astype(jnp.float32), weights_tk)
         return y_td, group_sizes
+
+    def _expert_axes(self, mesh) -> tuple[str, ...]:
+        """Mesh axes the experts' E dimension is split over (empty: not split, or no mesh)."""
+        if mesh is None:
+            return ()
+        spec = param_partition_spec("layers.0.w_gate_up", self.w_gate_up.get_value().shape, mesh)
+        axes = spec[0] if len(spec) else None
+        return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def _experts_sharded(self, x_td, weights_tk, experts_tk, mesh, axes):
+        """Expert-parallel `_experts` (module docstring): local experts per device, one psum of [T, D] f32."""
+        e_local = self.num_experts // int(np.prod([mesh.shape[a] for a in axes]))
+        num_experts, backend = self.num_experts, self.backend
+        t, k = experts_tk.shape
+
+        def local(x_td, weights_tk, experts_tk, w_gate_up, w_down):
+            e0 = jax.lax.axis_index(axes) * e_local
+            flat_e = experts_tk.reshape(-1)
+            order = jnp.argsort(flat_e, stable=True)
+            group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
+            start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])[e0]
+            local_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, e0, e_local)
+            picked = order[(jnp.arange(t * k) + start) % (t * k)]  # the local experts' assignments first
+            rows = jnp.take(x_td, picked // k, axis=0)
+            h = expert_matmul(rows, w_gate_up, local_sizes, backend)
+            gate, up = jnp.split(h, 2, axis=-1)
+            act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x_td.dtype)
+            y_rows = expert_matmul(act, w_down, local_sizes, backend)  # zero past the local groups
+            y_tkd = jnp.zeros_like(y_rows).at[picked].set(y_rows).reshape(t, k, -1)
+            return jax.lax.psum(jnp.einsum("tkd,tk->td", y_tkd.astype(jnp.float32), weights_tk), axes)
+
+        rep, split = P(), P(axes if len(axes) > 1 else axes[0])
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, split, split), out_specs=rep, check_vma=False)
+        return fn(x_td, weights_tk, experts_tk, self.w_gate_up.get_value(), self.w_down.get_value())
 
     def _shared(self, x_td):
         """Qwen-MoE's shared expert: sigmoid(x @ gate) * SwiGLU(x), in float32 for the sum."""

@@ -26,6 +26,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.layers import Embedding, GatedMLP, RMSNorm, _param, apply_rope, rope_inv_freq
+from model.moe import MoEMLP
 from model.quant import QuantizedArray, matmul
 
 
@@ -68,12 +69,17 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg, dtype, rngs)
+        self.mlp = MoEMLP(cfg, dtype, rngs) if cfg.is_moe else GatedMLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, inv_freq, cache, meta):
+    def __call__(self, x, positions, inv_freq, cache, meta, valid=None):
+        """(x, cache, tokens_per_expert [E] int32 of the real tokens `valid` [B, T] (MoE) or None (dense))."""
         h, cache = self.attn(self.attn_norm(x), positions, inv_freq, cache, meta)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        if not isinstance(self.mlp, MoEMLP):
+            return x + self.mlp(self.mlp_norm(x)), cache, None
+        # The paged metadata carries the engine's mesh: the experts then run split over it (expert parallelism).
+        y, tokens_per_expert = self.mlp(self.mlp_norm(x), valid, mesh=getattr(meta, "mesh", None))
+        return x + y, cache, tokens_per_expert
 
 
 class Transformer(nnx.Module):
@@ -95,6 +101,8 @@ class Transformer(nnx.Module):
         caches: Sequence[Any] | None,
         meta,
         logits_index_bk: jax.Array | None = None,
+        valid_bt: jax.Array | None = None,
+        router_stats: bool = False,
     ):
         """Runs the decoder.
 
@@ -104,16 +112,19 @@ class Transformer(nnx.Module):
           caches: per-layer caches in the layout `meta` expects, or None.
           meta: attention metadata (model/kv.py) deciding cache writes and visible keys.
           logits_index_bk: optional [B, K] indices into T; logits only there (saves the vocab matmul).
+          valid_bt: optional [B, T] bool, the real (non-padding) tokens: only they count in the router statistics.
+          router_stats: also return the MoE router's load, tokens_per_expert [L, E] int32 ([L, 0] when dense).
 
         Returns:
-          (logits [B, K or T, V] float32, new caches).
+          (logits [B, K or T, V] float32, new caches), plus tokens_per_expert when router_stats.
         """
         inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         x = self.embed(tokens_bt, self.dtype)
-        new_caches = []
+        new_caches, counts = [], []
         for i, layer in enumerate(self.layers):
-            x, c = layer(x, positions_bt, inv_freq, None if caches is None else caches[i], meta)
+            x, c, n = layer(x, positions_bt, inv_freq, None if caches is None else caches[i], meta, valid_bt)
             new_caches.append(c)
+            counts.append(jnp.zeros((0,), jnp.int32) if n is None else n)
         if logits_index_bk is not None:
             x = jnp.take_along_axis(x, logits_index_bk[:, :, None], axis=1)
         x = self.final_norm(x)
@@ -121,7 +132,8 @@ class Transformer(nnx.Module):
             logits = self.embed.attend(x)
         else:
             logits = matmul(x, self.lm_head.get_value(), out_dtype=jnp.float32)
-        return logits, (None if caches is None else new_caches)
+        out = logits, (None if caches is None else new_caches)
+        return (*out, jnp.stack(counts)) if router_stats else out
 
 
 # Canonical parameter names <-> module attributes ----------------------------------------------------------------
@@ -140,6 +152,17 @@ _LAYER_PATHS = {
     "w_up": ("mlp", "w_up"),
     "w_down": ("mlp", "w_down"),
 }
+# An MoE layer (model/moe.py) has the attention and norms above and these instead of the dense MLP.
+_MOE_LAYER_PATHS = {
+    **{k: v for k, v in _LAYER_PATHS.items() if k not in ("w_gate", "w_up", "w_down")},
+    "w_router": ("mlp", "w_router"),
+    "w_gate_up": ("mlp", "w_gate_up"),
+    "w_experts_down": ("mlp", "w_down"),
+    "shared_gate": ("mlp", "shared_gate"),
+    "shared_w_gate": ("mlp", "shared_w_gate"),
+    "shared_w_up": ("mlp", "shared_w_up"),
+    "shared_w_down": ("mlp", "shared_w_down"),
+}
 _QUANTISABLE = frozenset(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"))
 
 
@@ -147,8 +170,9 @@ def _param_slots(model: Transformer) -> dict[str, nnx.Param]:
     slots = {"embed": model.embed.weight, "final_norm": model.final_norm.weight}
     if not model.cfg.tie_word_embeddings:
         slots["lm_head"] = model.lm_head
+    paths = _MOE_LAYER_PATHS if model.cfg.is_moe else _LAYER_PATHS
     for i, layer in enumerate(model.layers):
-        for name, (mod, attr) in _LAYER_PATHS.items():
+        for name, (mod, attr) in paths.items():
             if hasattr(getattr(layer, mod), attr):
                 slots[f"layers.{i}.{name}"] = getattr(getattr(layer, mod), attr)
     return slots
@@ -229,7 +253,7 @@ def _init_value(name: str, key: jax.Array, shape: tuple[int, ...], dtype) -> jax
         return jnp.ones(shape, dtype)
     if leaf in ("bq", "bk", "bv"):
         return jnp.zeros(shape, dtype)
-    scale = 1.0 if name == "embed" else shape[0] ** -0.5
+    scale = 1.0 if name == "embed" else shape[-2] ** -0.5  # fan-in: [in, out], or experts' [E, in, out]
     return scale * jax.random.normal(key, shape, dtype)
 
 

@@ -299,7 +299,9 @@ class EngineConfig:
             section = getattr(self, f.name)
             if not isinstance(section, f.default_factory):
                 raise ValueError(f"EngineConfig.{f.name} must be a {f.default_factory.__name__}, got {section!r}")
-        for option in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+        # tensor / expert parallel: built; the model-dependent checks (heads, experts, device count) run when the
+        # engine builds its mesh (sharding/config.py check_parallel).
+        for option in ("data_parallel_size", "pipeline_parallel_size"):
             if getattr(self, option) != 1:
                 _not_supported_yet(option, getattr(self, option))
         length, blocks, bs = self.model.max_model_len, self.cache.num_kv_blocks, self.cache.block_size

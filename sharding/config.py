@@ -39,3 +39,39 @@ class ParallelConfig:
     def axis_sizes(self) -> tuple[int, int, int, int]:
         """Sizes in sharding.mesh.MESH_AXES order (data, pipeline, expert, tensor)."""
         return (self.dp, self.pp, self.ep, self.tp)
+
+
+def check_parallel(parallel: ParallelConfig, model_cfg, num_devices: int) -> None:
+    """Refuses a mesh this model cannot be split over, naming the flag (serving/flags.py) that is wrong.
+
+    Args:
+        parallel: the degrees.
+        model_cfg: a model.config.ModelConfig (duck-typed: num_heads, num_kv_heads, num_experts, name).
+        num_devices: devices available (jax.device_count()).
+
+    Raises:
+        ValueError: more devices than exist, heads / KV heads / experts not divisible, or a degree not built yet.
+    """
+    p, name = parallel, getattr(model_cfg, "name", "the model")
+    if p.num_devices > num_devices:
+        raise ValueError(
+            f"data_parallel_size={p.dp} x tensor_parallel_size={p.tp} x pipeline_parallel_size={p.pp} x "
+            f"expert_parallel_size={p.ep} needs {p.num_devices} devices; only {num_devices} exist"
+        )
+    if p.dp > 1:
+        raise ValueError(f"data_parallel_size={p.dp} is not supported yet (run one engine per replica)")
+    if p.pp > 1:
+        raise ValueError(f"pipeline_parallel_size={p.pp} is not supported yet")
+    heads, kv = model_cfg.num_heads, model_cfg.num_kv_heads
+    if heads % p.tp:
+        raise ValueError(f"tensor_parallel_size={p.tp} does not divide num_heads={heads} of {name}")
+    if kv % p.tp and p.tp % kv:
+        raise ValueError(
+            f"tensor_parallel_size={p.tp} and num_kv_heads={kv} of {name}: one must divide the other "
+            "(KV heads are split, or repeated when fewer than the devices)"
+        )
+    experts = getattr(model_cfg, "num_experts", 0)
+    if p.ep > 1 and not experts:
+        raise ValueError(f"expert_parallel_size={p.ep} needs an MoE model; {name} is dense")
+    if p.ep > 1 and experts % p.ep:
+        raise ValueError(f"expert_parallel_size={p.ep} does not divide num_experts={experts} of {name}")

@@ -20,18 +20,25 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.mesh import DATA, TENSOR
+from sharding.mesh import DATA, EXPERT, TENSOR
 
 LogicalAxes = tuple[str | None, ...]
+MeshAxes = str | tuple[str, ...] | None
 
-# Logical axis -> mesh axis (or None: replicated). The single rules table.
-LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+# Logical axis -> mesh axis, a tuple of mesh axes (split over their product, trailing axes dropped until the
+# size divides), or None: replicated. The single rules table.
+LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", DATA),
     ("vocab", TENSOR),
     ("embed", None),
     ("q_heads", TENSOR),
     ("kv_heads", TENSOR),
     ("mlp", TENSOR),
+    # MoE experts: over the expert axis and, when E divides, the tensor axis too (the routed experts' matmuls are
+    # not split by width, so a TP-only mesh still spreads the experts instead of copying them to every device).
+    ("experts", (EXPERT, TENSOR)),
+    ("expert_mlp", None),
+    ("router", None),
     # Canonical params are per layer; a stacked [L, ...] array keeps its layer axis whole on every device.
     ("layers", None),
 )
@@ -57,6 +64,18 @@ LAYER_PARAM_AXES: dict[str, LogicalAxes] = {
     "bq": ("q_heads",),  # [Hq*hd]
     "bk": ("kv_heads",),  # [Hkv*hd]
     "bv": ("kv_heads",),  # [Hkv*hd]
+    "q_norm": (None,),  # [hd] (Gemma 3 QK-norm, per head width)
+    "k_norm": (None,),  # [hd]
+    "post_attn_norm": ("embed",),  # [D] (Gemma 3)
+    "post_mlp_norm": ("embed",),  # [D]
+    # MoE MLP (model/moe.py): the routed experts split by expert, the router and the shared expert like a dense MLP.
+    "w_router": ("embed", "router"),  # [D, E]
+    "w_gate_up": ("experts", "embed", "expert_mlp"),  # [E, D, 2F]
+    "w_experts_down": ("experts", "expert_mlp", "embed"),  # [E, F, D]
+    "shared_gate": ("embed", None),  # [D, 1]
+    "shared_w_gate": ("embed", "mlp"),  # [D, Fs]
+    "shared_w_up": ("embed", "mlp"),  # [D, Fs]
+    "shared_w_down": ("mlp", "embed"),  # [Fs, D]
 }
 
 KV_PAGES_AXES: LogicalAxes = ("kv_heads", None, None, None)  # k/v pages [Hkv, num_pages, page_size, hd]
@@ -103,24 +122,26 @@ def logical_partition_spec(
     units = units or {}
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     used: set[str] = set()
-    spec: list[str | None] = []
+    spec: list[MeshAxes] = []
     for logical, size in zip(logical_axes, shape):
         if logical is not None and logical not in _RULES:
             raise ValueError(f"logical axis {logical!r} has no rule in LOGICAL_AXIS_RULES")
-        axis = _RULES.get(logical)
-        unit = units.get(logical, 1)
+        rule = _RULES.get(logical)
         # Size-1 mesh axes shard nothing; leaving them out keeps specs equal across mesh shapes.
-        shardable = (
-            axis in sizes
-            and sizes[axis] > 1
-            and axis not in used
-            and size % unit == 0
-            and (size // unit) % sizes[axis] == 0
-        )
-        spec.append(axis if shardable else None)
-        if shardable:
-            used.add(axis)
+        axes = [a for a in ((rule,) if isinstance(rule, str) else rule or ()) if sizes.get(a, 1) > 1 and a not in used]
+        unit = units.get(logical, 1)
+        while axes and not (size % unit == 0 and (size // unit) % _product(sizes[a] for a in axes) == 0):
+            axes.pop()  # drop trailing axes until the dimension divides
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return PartitionSpec(*spec)
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
 
 
 def param_partition_spec(name: str, shape: Sequence[int], mesh: Mesh, *, head_dim: int | None = None) -> PartitionSpec:
@@ -158,3 +179,13 @@ def kv_cache_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
     if axes is None:
         raise ValueError(f"KV pages are 4-D and scales 3-D; got shape {tuple(shape)}")
     return NamedSharding(mesh, logical_partition_spec(axes, shape, mesh))
+
+
+def kv_cache_heads(num_kv_heads: int, mesh: Mesh) -> int:
+    """KV heads the paged pool holds on `mesh`: num_kv_heads, or the tensor-parallel degree when there are fewer KV
+    heads than devices (each head repeated tp / Hkv times, model/kv.py), so the pool still splits one head per
+    device; per device that is the memory of one head, as when the heads divide."""
+    tp = dict(zip(mesh.axis_names, mesh.devices.shape)).get(TENSOR, 1)
+    if 1 < tp and num_kv_heads < tp and tp % num_kv_heads == 0:
+        return tp
+    return num_kv_heads

@@ -172,7 +172,7 @@ def test_contradictions_are_refused(kwargs, needle):
     [("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp8")]
     + [("quantization", q) for q in QUANTIZATIONS]
     + [("speculative_method", "medusa")]  # ngram, draft and self are built (tests/test_spec_engine.py)
-    + [(f"{p}_parallel_size", 2) for p in ("data", "tensor", "pipeline", "expert")],
+    + [(f"{p}_parallel_size", 2) for p in ("data", "pipeline")],  # tensor / expert: tests/test_parallel_engine.py
 )
 def test_features_not_built_yet_are_refused(option, value):
     extra = dict(num_speculative_tokens=2) if option == "speculative_method" else {}
