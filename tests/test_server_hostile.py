@@ -171,8 +171,8 @@ def test_large_bodies_are_followed_by_a_heap_trim(live, monkeypatch):
 
 
 def test_trim_heap_returns_freed_memory():
-    """Many small blocks freed out of order stay in glibc's arenas until malloc_trim hands them back. Measured in
-    a plain process with 12 MiB prompts: 89 -> 150 MiB over six requests without the trim, flat at 89 with it."""
+    """Many small blocks freed out of order stay in glibc's arenas until malloc_trim hands them back (server-level
+    figures: tools/server_probe.py, BENCHMARKS.md)."""
     proc = psutil.Process(os.getpid())
     server_http.trim_heap()
     base = proc.memory_info().rss
