@@ -107,6 +107,12 @@ def filter_logits(logits_bv: jax.Array, st: SamplingTensors) -> jax.Array:
     return jnp.where(logits >= threshold, logits, NEG_INF)
 
 
+def unpack_bitmask(bitmask_bw: jax.Array, v: int) -> jax.Array:
+    """Boolean [B, V] from a packed int32 bitmask [B, ceil(V/32)]: token t is bit t % 32 of word t // 32."""
+    bits = jnp.right_shift(bitmask_bw[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    return bits.reshape(bitmask_bw.shape[0], -1)[:, :v] > 0
+
+
 def sample(
     logits_bv: jax.Array,
     st: SamplingTensors,
@@ -115,6 +121,7 @@ def sample(
     banned_ids_bn: jax.Array | None = None,
     *,
     num_logprobs: int = 0,
+    allowed_bitmask_bw: jax.Array | None = None,
 ):
     """Samples one token per row.
 
@@ -124,6 +131,8 @@ def sample(
       output_ids_bl / prompt_ids_bl: -1-padded token ids for penalties (None: no penalties).
       banned_ids_bn: -1-padded ids a row may not produce this step (EOS and stop ids before min_tokens).
       num_logprobs: static; also return the top-n logprobs of the model's raw distribution.
+      allowed_bitmask_bw: optional packed int32 [B, ceil(V/32)] of the tokens each row may produce (a grammar's
+        mask; unconstrained rows all ones); the others get -inf before any filtering. A row must allow some token.
 
     Returns:
       (tokens [B] int32, logprob of each chosen token [B], top ids [B, n], top logprobs [B, n]).
@@ -141,6 +150,8 @@ def sample(
             .max(banned_ids_bn >= 0)
         )
         logits = jnp.where(banned, NEG_INF, logits)
+    if allowed_bitmask_bw is not None:
+        logits = jnp.where(unpack_bitmask(allowed_bitmask_bw, logits.shape[-1]), logits, NEG_INF)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):

@@ -41,6 +41,7 @@ from serving.api.formats import (
     num_tokens,
     prompt_logprobs,
 )
+from serving.api.guided import body_constraint, tool_constraint
 from serving.api.metrics import ServerMetrics
 from serving.api.protocol import (
     ChatCompletionRequest,
@@ -184,7 +185,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
         return fmt.response(choices, n_prompt)
     ranked = n_seq > body.n  # best_of: the sampled tokens' logprobs rank the candidates
     logprobs = max(body.logprobs or 0, 0) if ranked else body.logprobs
-    params = body.sampling_params(max_tokens, logprobs, llm.config.vocab_size)
+    params = body.sampling_params(max_tokens, logprobs, llm.config.vocab_size, body_constraint(body)[0])
     choices, specs = _fan_out(rid, prompts, params, n_seq)
     stream = await _submit(state, specs)
     if body.stream:
@@ -257,13 +258,12 @@ async def chat(state: ServerState, body: ChatCompletionRequest, request: Request
     llm = state.require_ready()
     state.check_model(body.model)
     state.check_count(body.n, "n")
-    if body.tool_choice is not None and body.tool_choice not in ("none", "auto"):
-        raise OpenAIError(
-            400,
-            "tool_choice 'required' or a named function is not supported yet (it needs constrained decoding); "
-            "use 'auto' or 'none'",
-            param="tool_choice",
-        )
+    constraint, field = body_constraint(body)
+    if body.tool_choice is not None and body.tool_choice not in ("none", "auto"):  # required or named: enforced
+        if constraint is not None:
+            raise OpenAIError(400, f"tool_choice required or named cannot be combined with {field}", param=field)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        constraint = tool_constraint(tools, body.tool_choice, body.parallel_tool_calls)
     use_tools = bool(body.tools) and body.tool_choice != "none"
     state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
     text, ids = await asyncio.to_thread(_chat_prompt, llm, body, use_tools)
@@ -271,7 +271,7 @@ async def chat(state: ServerState, body: ChatCompletionRequest, request: Request
     max_tokens = requested or _default_max_tokens(state, llm, len(ids))
     _check_context(llm, len(ids), max_tokens, "messages")
     params = body.sampling_params(
-        max_tokens, (body.top_logprobs or 0) if body.logprobs else None, llm.config.vocab_size
+        max_tokens, (body.top_logprobs or 0) if body.logprobs else None, llm.config.vocab_size, constraint
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices, specs = _fan_out(rid, [(text, ids)], params, body.n)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serving.core.request import SamplingParams
+from serving.core.request import Constraint, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -70,6 +70,27 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # Accepted and ignored (OpenAI's padding field).
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema (OpenAI): the schema the output must validate against."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema is required with type 'json_schema' and only with it")
+        return self
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -92,6 +113,12 @@ class _SamplingRequest(_Strict):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=64)
+    # Structured output (serving/api/guided.py): OpenAI's response_format, or one of vLLM's guided_* fields.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, min_length=1, description="a Lark (llguidance dialect) or GBNF grammar")
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -105,7 +132,9 @@ class _SamplingRequest(_Strict):
             check_text(s, "stop")
         return tuple(s for s in stops if s)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, vocab_size: int, constraint: Constraint | None = None
+    ) -> SamplingParams:
         """Engine parameters (OpenAI defaults: temperature 1, top_p 1); raises OpenAIError when invalid.
 
         Values the device would overflow on are normalised: top_k >= vocab_size is off, a temperature below
@@ -134,6 +163,7 @@ class _SamplingRequest(_Strict):
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            constraint=constraint,
         )
         try:
             return params.validate()
@@ -217,10 +247,6 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class FunctionDef(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
@@ -253,7 +279,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -25,12 +25,74 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+ConstraintKind = Literal["json_object", "json_schema", "regex", "grammar", "choice"]
+_CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+_MAX_CONSTRAINT_CHARS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint: every output token must keep the text a prefix of the language, and the
+    output ends (EOS) only where the language accepts. Compiled by serving/engine/structured.py (llguidance).
+
+    Attributes:
+        kind: 'json_object' (any JSON object), 'json_schema', 'regex', 'grammar' (Lark, or GBNF converted to
+            Lark) or 'choice' (one of a list of strings).
+        spec: json_schema: the schema as JSON text; regex: the pattern; grammar: the grammar source; choice: a
+            JSON list of strings; json_object: empty.
+    """
+
+    kind: ConstraintKind
+    spec: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> Constraint:
+        """From a schema object (key order kept: it is the order properties are generated in) or its JSON."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Constraint:
+        return cls("choice", json.dumps(list(options)))
+
+    def validate(self) -> Constraint:
+        """Checks the form (what the grammar compiler checks comes later, in the engine); returns self.
+
+        Raises:
+            ValueError: naming the constraint field.
+        """
+        _check(self.kind in _CONSTRAINT_KINDS, f"constraint.kind must be one of {_CONSTRAINT_KINDS}, got {self.kind!r}")
+        _check(isinstance(self.spec, str), f"constraint.spec must be a string, got {type(self.spec).__name__}")
+        _check(
+            len(self.spec) <= _MAX_CONSTRAINT_CHARS,
+            f"constraint.spec is {len(self.spec)} characters; at most {_MAX_CONSTRAINT_CHARS} are accepted",
+        )
+        if self.kind == "json_object":
+            _check(not self.spec, "constraint.spec must be empty for kind 'json_object'")
+            return self
+        _check(bool(self.spec), f"constraint.spec must not be empty for kind {self.kind!r}")
+        if self.kind in ("json_schema", "choice"):
+            try:
+                value = json.loads(self.spec)
+            except ValueError as e:
+                raise ValueError(f"constraint.spec of kind {self.kind!r} is not valid JSON: {e}") from None
+            if self.kind == "json_schema":
+                _check(
+                    isinstance(value, (dict, bool)),
+                    f"constraint.spec: a JSON schema must be an object or a boolean, got {type(value).__name__}",
+                )
+            else:
+                _check(
+                    isinstance(value, list) and value and all(isinstance(v, str) and v for v in value),
+                    "constraint.spec: choice must be a non-empty JSON list of non-empty strings",
+                )
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +114,7 @@ class SamplingParams:
         min_tokens: EOS and stop_token_ids do not end generation before this many outputs.
         ignore_eos: keep generating through EOS (stop_token_ids still apply).
         logprobs: number of top logprobs to return per output token; None disables them.
+        constraint: structured output (JSON schema, regex, grammar, ...); None: unconstrained.
     """
 
     max_tokens: int = 16
@@ -68,6 +131,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def validate(self) -> SamplingParams:
         """Checks every field; returns self so that calls chain.
@@ -113,6 +177,13 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
             f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",
         )
+        if self.constraint is not None:
+            _check(
+                isinstance(self.constraint, Constraint),
+                f"constraint must be a serving.core.request.Constraint or None, got {type(self.constraint).__name__}",
+            )
+            self.constraint.validate()
+            _check(not self.ignore_eos, "ignore_eos cannot be combined with a constraint (the grammar decides the end)")
         return self
 
 
@@ -254,3 +325,4 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[float] | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    finish_message: str | None = None  # why, for finish_reason 'error' (e.g. a constraint's dead end)

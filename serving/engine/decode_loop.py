@@ -68,6 +68,8 @@ class DecodeLoops:
         p = req.sampling_params
         if p.stop or has_penalties(p) or p.logprobs is not None or req.num_output_tokens + ahead < p.min_tokens:
             return None
+        if p.constraint is not None:  # its grammar's mask is computed on the host from the previous token
+            return None
         return min(self.k, p.max_tokens - req.num_output_tokens - ahead, self.max_model_len - req.num_tokens - ahead)
 
     def _reserve(self, reqs: Sequence[Request], counts: Sequence[int]) -> bool:

@@ -30,6 +30,7 @@ from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.decode_loop import DecodeLoops, has_penalties
 from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, pad_sampling, sample_rows, size_kv_pool
 from serving.engine.speculate import make_spec_decoder
+from serving.engine.structured import StructuredOutputs, sample_rows_masked
 from sharding.config import check_parallel
 from sharding.mesh import make_mesh
 
@@ -105,6 +106,7 @@ class LLMEngine:
         self._rng = random.Random(0)
         self.num_steps = 0
         self.loops = DecodeLoops(self, _sampling_tensors)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)  # constrained requests
         self.spec = make_spec_decoder(self, model, _sampling_tensors, _logprob_entry)  # None: speculation off
         self.overlap = c.async_scheduling
         self._inflight = None  # a decode loop launched but not applied yet
@@ -161,7 +163,11 @@ class LLMEngine:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(31))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids, priority=priority)
+        if params.constraint is not None:
+            self.structured.compile(params.constraint)  # ValueError before anything is queued
         self.scheduler.add_request(req)
+        if params.constraint is not None:
+            self.structured.add(rid, params.constraint)
         self._tracks[rid] = _Track(req, prompt, self.tokenizer.detokenizer())
         return rid
 
@@ -169,6 +175,7 @@ class LLMEngine:
         """Ends a request (any state) and frees its KV blocks."""
         if self.scheduler.abort(request_id) is not None:
             self._tracks.pop(request_id, None)
+        self.structured.remove(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -241,7 +248,13 @@ class LLMEngine:
         banned = _banned(reqs, s)
         num_lp = max((r.sampling_params.logprobs or 0) for r in reqs)
         num_lp = 0 if num_lp == 0 else (5 if num_lp <= 5 else 20)
-        result = sample_rows(logits, st, out_ids, prompt_ids, banned, num_logprobs=num_lp)
+        mask, dead = self.structured.bitmask(reqs, s, banned)  # host, while the forward pass runs
+        for rid, message in dead.items():  # its token is dropped: update() skips finished requests
+            self.scheduler.finish(rid, "error", message)
+        if mask is None:
+            result = sample_rows(logits, st, out_ids, prompt_ids, banned, num_logprobs=num_lp)
+        else:
+            result = sample_rows_masked(logits, st, out_ids, prompt_ids, banned, mask, num_logprobs=num_lp)
         return [np.asarray(a)[:n] for a in result]
 
     # Outputs -------------------------------------------------------------------------------------------------
@@ -261,7 +274,11 @@ class LLMEngine:
             if track.first_token_time is None:
                 track.first_token_time = now
             track.text += track.detok.add([t for t in new_ids if not self._is_stop_token(req, t)])
-            reason = req.finish_reason if rid in done else None
+            reason = req.finish_reason if rid in done or req.is_finished else None  # is_finished: dead end
+            verdict = self.structured.advance(req, new_ids) if reason is None else None
+            if verdict is not None:  # the grammar is complete ('stop') or refused a token (a message)
+                reason = "stop" if verdict == "stop" else "error"
+                self.scheduler.finish(rid, reason, None if reason == "stop" else verdict)
             stop_at = _find_stop(track.text, req.sampling_params.stop)
             if reason is None and stop_at is not None:
                 self.scheduler.finish(rid, "stop")
@@ -276,8 +293,10 @@ class LLMEngine:
             delta = track.text[track.emitted : visible] if visible > track.emitted else ""
             track.emitted = max(track.emitted, visible)
             lps = req.output_logprobs[-n_new:] if req.sampling_params.logprobs is not None and n_new else None
-            results.append(RequestOutput(rid, new_ids, finished_now, reason, delta, lps))
+            message = req.finish_message if finished_now else None
+            results.append(RequestOutput(rid, new_ids, finished_now, reason, delta, lps, finish_message=message))
             if finished_now:
+                self.structured.remove(rid)
                 track.finish_time = now
                 self._finished[rid] = self._tracks.pop(rid)
         return results
@@ -328,7 +347,9 @@ class LLMEngine:
             if len(gen) > 1 and decode_time > 0:
                 metrics["decode_tokens_per_s"] = (len(gen) - 1) / decode_time
             lps = [e[0] if isinstance(e, tuple) else e for e in req.output_logprobs] or None
-            results.append(CompletionOutput(text, list(ids), track.text, gen, req.finish_reason, lps, metrics))
+            results.append(
+                CompletionOutput(text, list(ids), track.text, gen, req.finish_reason, lps, metrics, req.finish_message)
+            )
         return results
 
     def _report_progress(self, rids: Sequence[str], progress) -> None:
