@@ -171,8 +171,9 @@ def test_openai_chat_options_tools_and_errors(live):
     assert t.choices[0].finish_reason in ("stop", "length", "tool_calls")
     for call in t.choices[0].message.tool_calls or []:
         json.loads(call.function.arguments)
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        named = {"type": "function", "function": {"name": "nope"}}
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice=named)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"5": 2})
     with pytest.raises(openai.NotFoundError):

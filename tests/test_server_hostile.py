@@ -287,10 +287,13 @@ BAD = [
     ("logit_bias", "/v1/completions", _completion(logit_bias={"5": 3.0}), "logit_bias"),
     ("unknown field", "/v1/completions", _completion(frobnicate=1), "frobnicate"),
     (
-        "tool_choice required",
+        "tool_choice names no tool",
         "/v1/chat/completions",
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"),
-        "not supported yet",
+        _chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        "not in tools",
     ),
     ("best_of < n", "/v1/completions", _completion(n=3, best_of=2), "best_of"),
     ("max_tokens 0 no echo", "/v1/completions", _completion(max_tokens=0), "needs echo"),
