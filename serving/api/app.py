@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (server-sent events with `stream`), GET /v1/models,
 GET /health (200 once the model is loaded and compiled, 503 before and while draining), GET /metrics
-(Prometheus text; behind the API key with `protect_metrics`). /docs, /redoc and /openapi.json exist only with
+(Prometheus text; behind the API key with `protect_metrics`), and vLLM's POST /tokenize, POST /detokenize,
+GET /tokenizer_info (lm-eval's remote tokenizer uses them). /docs, /redoc and /openapi.json exist only with
 `enable_docs`.
 
 A /v1 request is checked in this order: the API key (before a byte of the body is read), the body size

@@ -375,19 +375,21 @@ def _event(obj: dict) -> str:
 async def _until_shutdown(chunks: AsyncIterator[dict], shutdown: asyncio.Event) -> AsyncIterator[dict]:
     """The chunks, until the drain deadline passes (then raises shutting_down_error())."""
     deadline = asyncio.ensure_future(shutdown.wait())
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(anext(chunks))
             await asyncio.wait({step, deadline}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
                 raise shutting_down_error()
             try:
                 yield step.result()
             except StopAsyncIteration:
                 return
-    finally:
+    finally:  # also on a client disconnect (Starlette cancels the response): no task is left waiting
         deadline.cancel()
+        if step is not None and not step.done():
+            step.cancel()
 
 
 def _sse(
