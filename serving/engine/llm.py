@@ -118,14 +118,15 @@ class LLM:
         `dtype` option, else that of params["embed"]. Other arguments as for `from_model`.
         """
         t0 = time.perf_counter()
-        if "dtype" not in options and engine_config is None:
-            embed = weights.canonical_params(params, config).get("embed")
-            if embed is not None and jnp.issubdtype(embed.dtype, jnp.floating):
+        params = weights.canonical_params(params, config)
+        embed = params.get("embed")
+        if "dtype" not in options and engine_config is None and embed is not None:
+            if jnp.issubdtype(embed.dtype, jnp.floating):
                 options["dtype"] = jnp.dtype(embed.dtype).name
         engine_config = _engine_config(engine_config, options)
         dtype = parse_dtype(engine_config.dtype)
         enable_compilation_cache(engine_config.compilation_cache_dir)
-        model = build_model(config, weights.own(weights.canonical_params(params, config, dtype)), dtype)
+        model = build_model(config, weights.own(params), dtype)
         llm = cls.__new__(cls)
         llm._init(model, tokenizer, engine_config, config.name, t0)
         return llm

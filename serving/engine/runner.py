@@ -179,8 +179,8 @@ class ModelRunner:
         for name, slot in slots.items():
             if isinstance(slot.get_value(), QuantizedArray):  # no sharding rules for its leaves yet: replicated
                 slot.set_value(jax.tree.map(lambda a: jax.device_put(a, replicated), slot.get_value()))
-            else:
-                slot[...] = jax.device_put(slot[...], shardings[name])
+            else:  # set_value, not slot[...] = (an .at[...].set scatter: a copy, and it fails across devices)
+                slot.set_value(jax.device_put(slot.get_value(), shardings[name]))
         return model
 
     def set_params(self, params) -> None:
@@ -192,7 +192,7 @@ class ModelRunner:
         if jax.tree.structure(params) != jax.tree.structure(self.params):
             raise ValueError("set_params: params do not have the runner's parameter tree")
         for i, (a, b) in enumerate(zip(old, new)):
-            if (a.shape, a.dtype, a.sharding) != (b.shape, b.dtype, b.sharding):
+            if (a.shape, a.dtype) != (b.shape, b.dtype) or not a.sharding.is_equivalent_to(b.sharding, a.ndim):
                 raise ValueError(
                     f"set_params: leaf {i} is {b.shape} {b.dtype} {b.sharding}, the runner's "
                     f"{a.shape} {a.dtype} {a.sharding}"

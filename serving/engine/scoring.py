@@ -93,7 +93,8 @@ def score(engine, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[
         if tuple(prompt) not in seen:
             seen.add(tuple(prompt))
             first.append(i)
-    rest = [i for i in range(len(pairs)) if i not in set(first)]
+    leaders = set(first)
+    rest = [i for i in range(len(pairs)) if i not in leaders]
     results: list[ScoreOutput | None] = [None] * len(pairs)
     for wave in (first, rest):
         _run_wave(engine, pairs, wave, results)

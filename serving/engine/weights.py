@@ -36,7 +36,7 @@ from model.transformer import Transformer, abstract_model, model_params
 from model.transformer import _param_slots as param_slots
 
 
-def canonical_params(params: Any, cfg, dtype=jnp.float32) -> dict[str, Any]:
+def canonical_params(params: Any, cfg, dtype=jnp.float32) -> Mapping[str, Any]:
     """A canonical name -> value dict from a canonical mapping, an nnx.State of a Transformer of `cfg`, or a
     Transformer module.
 
@@ -52,7 +52,7 @@ def canonical_params(params: Any, cfg, dtype=jnp.float32) -> dict[str, Any]:
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"params: an nnx.State that is not a {cfg.name} Transformer's ({e})") from e
     if isinstance(params, Mapping):
-        return dict(params)
+        return params  # may be lazy (checkpoints/lazy.py): read one tensor at a time, later
     raise ValueError(f"params must be a canonical dict, an nnx.State or a Transformer, got {type(params).__name__}")
 
 
@@ -61,15 +61,27 @@ def _copy_tree(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def own(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The mapping with every jax array (QuantizedArray leaves included) copied on its own sharding; host arrays
-    and lazy values pass through (build_model copies them to the device)."""
-    out = {}
-    for name in params:
-        value = params[name]
-        is_device = isinstance(value, QuantizedArray) or isinstance(value, jax.Array)
-        out[name] = _copy_tree(value) if is_device else value
-    return out
+class Owned(Mapping):
+    """`params` read one value at a time, each jax array (QuantizedArray leaves included) copied on its own
+    sharding; host arrays pass through (build_model copies them to the device), so a lazy mapping stays lazy."""
+
+    def __init__(self, params: Mapping[str, Any]):
+        self._params = params
+
+    def __getitem__(self, name: str) -> Any:
+        value = self._params[name]
+        return _copy_tree(value) if isinstance(value, (QuantizedArray, jax.Array)) else value
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+def own(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """See `Owned`."""
+    return Owned(params)
 
 
 def own_model(model: Transformer) -> Transformer:
@@ -147,6 +159,6 @@ def update_module(model: Transformer, params: Mapping[str, Any]) -> None:
     missing, extra = sorted(set(slots) - set(params)), sorted(set(params) - set(slots))
     if missing or extra:
         raise ValueError(f"params do not match the model: missing {missing[:6]}, unexpected {extra[:6]}")
-    new = own({name: matched(name, params[name], slot.get_value()) for name, slot in slots.items()})
+    new = {name: matched(name, params[name], slot.get_value()) for name, slot in slots.items()}
     for name, slot in slots.items():
-        slot.set_value(new[name])
+        slot.set_value(own(new)[name])
