@@ -18,6 +18,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from checkpoints.gemma_tokenizer import GEMMA3_CHAT_TEMPLATE, GEMMA_ARCHITECTURES, gemma_hf_tokenizer
+
 _CONTROL = 3  # llama.cpp token type for control (special) tokens.
 _USER_DEFINED = 4
 
@@ -47,9 +49,20 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta, eos_token_ids: Sequence[int]) -> Tokenizer:
-        """Rebuilds a GGUF `gpt2`-model (byte-level BPE) tokenizer with its special tokens."""
+        """Rebuilds a GGUF `gpt2`-model (byte-level BPE) tokenizer with its special tokens, or a Gemma
+        SentencePiece one (checkpoints/gemma_tokenizer.py, with Gemma 3's chat template when the file has none)."""
+        if meta.tokenizer_model == "llama" and meta.architecture in GEMMA_ARCHITECTURES:
+            return cls(
+                hf=gemma_hf_tokenizer(meta.tokens, meta.token_types),
+                bos_token_id=None if meta.bos_token_id is None else int(meta.bos_token_id),
+                eos_token_ids=tuple(eos_token_ids),
+                add_bos=meta.add_bos_token,
+                chat_template=meta.chat_template or GEMMA3_CHAT_TEMPLATE,
+            )
         if meta.tokenizer_model != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {meta.tokenizer_model!r} (only byte-level BPE 'gpt2')")
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {meta.tokenizer_model!r} (byte-level BPE 'gpt2', or 'llama' for Gemma)"
+            )
         vocab = {tok: i for i, tok in enumerate(meta.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta.merges]
         hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))

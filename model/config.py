@@ -10,6 +10,8 @@ import dataclasses
 import json
 from typing import Any
 
+ARCHS = ("llama", "gemma3")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -47,6 +49,16 @@ class ModelConfig:
         moe_intermediate_size: gated-MLP width of one routed expert.
         shared_expert_intermediate_size: width of the always-on shared expert (Qwen-MoE), 0 for none.
         norm_topk_prob: renormalise the top-k routing weights to sum to 1 (Mixtral: yes; Qwen1.5-MoE: no).
+        sliding_window: keys a windowed layer's query at position p sees are (p - window, p]; None: full causal.
+            Mistral-style configs window every layer.
+        sliding_window_pattern: with a window, every `pattern`-th layer (layer i with (i + 1) % pattern == 0) is
+            global (full causal) and the others windowed (Gemma 3: 6); 0 windows every layer (Mistral).
+        rope_local_theta: RoPE base of the windowed layers when they differ from the global ones (Gemma 3: 10k
+            local, 1M global in `rope_theta`); None: `rope_theta` everywhere.
+        arch: block layout, "llama" (pre-norm, SwiGLU) or "gemma3" (pre + post norms around attention and MLP,
+            GELU-tanh MLP, RMSNorm weights applied as (1 + w), QK-norm, embeddings scaled by sqrt(D)).
+        query_pre_attn_scalar: attention logits are scaled by query_pre_attn_scalar ** -0.5; None: head_dim.
+        final_logit_softcap: logits -> cap * tanh(logits / cap) when set (Gemma 2; None for Gemma 3).
     """
 
     name: str = "custom"
@@ -70,6 +82,12 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    sliding_window: int | None = None
+    sliding_window_pattern: int = 0
+    rope_local_theta: float | None = None
+    arch: str = "llama"
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcap: float | None = None
 
     def __post_init__(self):
         for field in (
@@ -87,6 +105,54 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         self._validate_moe()
+        self._validate_window()
+
+    def _validate_window(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelConfig.arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window must be None or >= 1, got {self.sliding_window}")
+        if self.sliding_window_pattern < 0:
+            raise ValueError(f"ModelConfig.sliding_window_pattern must be >= 0, got {self.sliding_window_pattern}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of `layer` (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        pattern = self.sliding_window_pattern
+        return None if pattern and (layer + 1) % pattern == 0 else self.sliding_window
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer has, so KV older than it is dead for all layers (None: some layer is global)."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        if self.rope_local_theta is not None and self.layer_window(layer) is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.arch == "gemma3"
+
+    @property
+    def mlp_activation(self) -> str:
+        return "gelu_tanh" if self.is_gemma else "silu"
+
+    @property
+    def norm_offset(self) -> float:
+        """RMSNorm scales by (norm_offset + w): 1 for Gemma's (1 + w) convention, 0 for Llama's."""
+        return 1.0 if self.is_gemma else 0.0
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def _validate_moe(self):
         moe = ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
@@ -134,7 +200,8 @@ class ModelConfig:
         d = self.hidden_size
         experts = self.num_experts_per_tok if active else self.num_experts
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
-        per_layer = attn + self._mlp_params(experts) + 2 * d
+        norms = 4 * d + 2 * self.head_dim if self.arch == "gemma3" else 2 * d
+        per_layer = attn + self._mlp_params(experts) + norms
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
@@ -171,6 +238,31 @@ class ModelConfig:
             tie_word_embeddings=True,
             bos_token_id=1,
             eos_token_ids=(2,),
+        )
+
+    @classmethod
+    def gemma3_270m(cls) -> ModelConfig:
+        """Gemma 3 270M: 18 layers, MQA 4/1 of width 256, window 512 on five of every six layers."""
+        return cls(
+            name="gemma3_270m",
+            vocab_size=262144,
+            hidden_size=640,
+            intermediate_size=2048,
+            num_layers=18,
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=256,
+            rope_theta=1e6,
+            rope_local_theta=1e4,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+            bos_token_id=2,
+            eos_token_ids=(1, 106),
+            sliding_window=512,
+            sliding_window_pattern=6,
+            arch="gemma3",
+            query_pre_attn_scalar=256.0,
         )
 
     @classmethod
@@ -283,6 +375,7 @@ class ModelConfig:
     def preset(cls, name: str) -> ModelConfig:
         presets = {
             "smollm2_135m": cls.smollm2_135m,
+            "gemma3_270m": cls.gemma3_270m,
             "llama3_8b": cls.llama3_8b,
             "llama3_70b": cls.llama3_70b,
             "mixtral_8x7b": cls.mixtral_8x7b,

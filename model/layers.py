@@ -9,6 +9,7 @@ Compute dtype is the activations' dtype; norms and softmax run in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -26,16 +27,21 @@ def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs | None, scale: float | 
 
 
 class RMSNorm(nnx.Module):
-    """y = x / rms(x) * weight, computed in float32."""
+    """y = x / rms(x) * (offset + weight), computed in float32.
 
-    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+    offset 0 is the Llama convention; Gemma stores w and scales by (1 + w) (offset 1), so a fresh norm is the
+    identity either way (weight 1 - offset).
+    """
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32, offset: float = 0.0):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.offset = offset
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return (y * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
@@ -65,17 +71,22 @@ def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) 
     return out.astype(x_bthd.dtype)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class GatedMLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+    """Gated MLP: down(act(x @ gate) * (x @ up)); act is SiLU (SwiGLU, Llama) or tanh-GELU (GeGLU, Gemma)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
         d, f = cfg.hidden_size, cfg.intermediate_size
+        self.activation = cfg.mlp_activation
         self.w_gate = _param((d, f), dtype, rngs, d**-0.5)
         self.w_up = _param((d, f), dtype, rngs, d**-0.5)
         self.w_down = _param((f, d), dtype, rngs, f**-0.5)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(matmul(x, self.w_gate.get_value())) * matmul(x, self.w_up.get_value())
+        act = ACTIVATIONS[self.activation]
+        h = act(matmul(x, self.w_gate.get_value())) * matmul(x, self.w_up.get_value())
         return matmul(h, self.w_down.get_value())
 
 

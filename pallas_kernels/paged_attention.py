@@ -15,6 +15,11 @@ raw values to the tensor cores (int8 and e4m3 convert exactly to bf16/f16) and a
 logits columns (K) and to the probabilities (V), which is exactly dequantise-then-attend.
 Tokens at positions >= length are loaded masked (as zeros), so stale or NaN data in unused page slots
 never reaches the output.
+
+Sliding window (`window`, static): the query at position length - 1 sees keys in [length - window, length).
+The page loop starts at the block holding key length - window, so pages wholly before the window are never
+read (the engine may already have given them back: their table entries can point anywhere); keys before the
+window inside the first block are loaded masked, like those past the length.
 """
 
 from __future__ import annotations
@@ -101,8 +106,8 @@ def choose_num_splits(config: PagedAttentionConfig, batch: int, num_kv_heads: in
 # ---------------------------------------------------------------------------------------------------------
 # Kernel body.
 # ---------------------------------------------------------------------------------------------------------
-def load_kv_block(pages_ref, scales_ref, pages, first_token, length, page_size):
-    """Gathers `pages` [n] of one KV head as a [n * page_size, D] tile, zero past `length`; plus scales.
+def load_kv_block(pages_ref, scales_ref, pages, first_token, length, page_size, lo=None):
+    """Gathers `pages` [n] of one KV head as a [n * page_size, D] tile, zero outside [lo, length); plus scales.
 
     pages_ref is one head's pages flattened to token rows, [num_pages * page_size, D]; row = page * ps + offset.
     All-array indices (rows [N, 1] x cols [1, D]) keep the gather expressible in interpret mode too.
@@ -111,7 +116,8 @@ def load_kv_block(pages_ref, scales_ref, pages, first_token, length, page_size):
     head_dim = pages_ref.shape[-1]
     offset = jnp.arange(page_size)[None, :]
     rows = (pages[:, None] * page_size + offset).reshape(n * page_size)  # [N] token rows
-    valid = (first_token + jnp.arange(n)[:, None] * page_size + offset < length).reshape(n * page_size)
+    token = (first_token + jnp.arange(n)[:, None] * page_size + offset).reshape(n * page_size)  # [N]
+    valid = token < length if lo is None else (token < length) & (token >= lo)
     cols = jnp.arange(head_dim)[None, :]
     mask = jnp.broadcast_to(valid[:, None], (n * page_size, head_dim))
     zero = 0 if jnp.issubdtype(pages_ref.dtype, jnp.integer) else 0.0
@@ -168,6 +174,7 @@ def _decode_kernel(
     pages_per_block: int,
     pages_per_split: int,
     compute_dtype,
+    window: int | None,
 ):
     b, split = pl.program_id(0), pl.program_id(2)
     block_tokens = pages_per_block * page_size
@@ -176,15 +183,19 @@ def _decode_kernel(
     rows, head_dim = q.shape
 
     first_page = split * pages_per_split
-    end_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(length, page_size))
+    lo = None if window is None else jnp.maximum(length - window, 0)  # first key inside the window
+    if window is not None:  # skip whole blocks before the window, keeping block starts aligned within the split
+        skip = jnp.maximum(lo // page_size - first_page, 0) // pages_per_block * pages_per_block
+        first_page = first_page + skip
+    end_page = jnp.minimum(split * pages_per_split + pages_per_split, pl.cdiv(length, page_size))
     num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
 
     def body(i, carry):
         page0 = first_page + i * pages_per_block
         pages = block_tables_ref[pl.ds(page0, pages_per_block)]  # [pages_per_block]
         first_token = page0 * page_size
-        k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, length, page_size)
-        v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, length, page_size)
+        k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, length, page_size, lo)
+        v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, length, page_size, lo)
         mask = jnp.broadcast_to(valid[None, :], (rows, block_tokens))
         return attend_block(q, k, v, ks, vs, mask, carry, scale_log2=scale_log2, compute_dtype=compute_dtype)
 
@@ -220,6 +231,7 @@ def _build_decode_call(
     num_splits,
     interpret,
     out_dtype,
+    window,
 ):
     """q4 [B, Hkv, Gp, D] (compute dtype); block_tables [B, num_splits * pages_per_split] (padded)."""
     batch, num_kv_heads, rows, head_dim = q4.shape
@@ -233,6 +245,7 @@ def _build_decode_call(
         pages_per_block=pages_per_block,
         pages_per_split=pages_per_split,
         compute_dtype=q4.dtype,
+        window=window,
     )
     slots = num_pages * page_size
     page_spec = pl.BlockSpec((None, slots, head_dim), lambda b, h, s: (h, 0, 0))
@@ -300,7 +313,9 @@ def compute_dtype_for(q_dtype, page_dtype):
     return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
 
 
-def _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale, config, interpret):
+def _paged_pallas(
+    q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale, config, interpret, window
+):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -326,6 +341,7 @@ def _paged_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales
         num_splits=num_splits,
         interpret=interpret,
         out_dtype=q.dtype,
+        window=window,
     )
     if num_splits > 1:
         o = merge_splits(o, m, l)
@@ -366,6 +382,11 @@ def validate_pages(name, q_heads, head_dim, k_pages, v_pages, k_scales, v_scales
         raise ValueError(f"{name}: unsupported page dtype {dtype}")
 
 
+def validate_window(name: str, window) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name}: window must be None or a positive int, got {window!r}")
+
+
 def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, Hq, D], got {q.shape}")
@@ -382,7 +403,7 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
         raise ValueError(f"paged_attention: lengths must be int32 [{batch}], got {lengths.shape} {lengths.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config", "window"))
 def paged_attention(
     q,
     k_pages,
@@ -395,6 +416,7 @@ def paged_attention(
     v_scales=None,
     backend=None,
     config: PagedAttentionConfig = PagedAttentionConfig(),
+    window: int | None = None,
 ):
     """Decode attention of one query token per sequence over a paged KV cache.
 
@@ -407,16 +429,26 @@ def paged_attention(
         k_scales, v_scales: [Hkv, num_pages, page_size] float32 per-token scales, for quantised pages only.
         backend: None, "triton", "interpret" or "xla" (see pallas_kernels.backend).
         config: tile sizes (static).
+        window: sliding window (static): the query sees the last `window` keys only; None: all of them.
 
     Returns:
         [B, Hq, D] in q's dtype.
     """
     _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+    validate_window("paged_attention", window)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     resolved = resolve_backend(backend, "paged_attention")
     if resolved == "xla":
         return reference(
-            q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales
+            q,
+            k_pages,
+            v_pages,
+            block_tables,
+            lengths,
+            sm_scale=sm_scale,
+            k_scales=k_scales,
+            v_scales=v_scales,
+            window=window,
         ).astype(q.dtype)
     if resolved == "mosaic_gpu":
         raise ValueError("paged_attention: no mosaic_gpu kernel yet; use backend='triton'")
@@ -433,6 +465,7 @@ def paged_attention(
         sm_scale=sm_scale,
         config=config,
         interpret=resolved == "interpret",
+        window=window,
     )
 
 
@@ -442,7 +475,19 @@ def dequantize_pages(pages, scales):
     return pages if scales is None else pages * scales[..., None]
 
 
-def reference(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, k_scales=None, v_scales=None, backend=None):
+def reference(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    *,
+    sm_scale=None,
+    k_scales=None,
+    v_scales=None,
+    backend=None,
+    window=None,
+):
     """Plain-jnp float32 decode attention gathering whole page lists; same contract as `paged_attention`."""
     del backend
     batch, q_heads, head_dim = q.shape
@@ -453,6 +498,8 @@ def reference(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, k_sc
     k = k.reshape(num_kv_heads, batch, -1, head_dim)  # [Hkv, B, L, D]
     v = v.reshape(num_kv_heads, batch, -1, head_dim)
     valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [B, L]
+    if window is not None:
+        valid &= jnp.arange(k.shape[2])[None, :] >= lengths[:, None] - window
     k = jnp.where(valid[None, :, :, None], k, 0.0)  # unused slots may hold NaN
     v = jnp.where(valid[None, :, :, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, q_heads // num_kv_heads, head_dim)

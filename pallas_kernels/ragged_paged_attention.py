@@ -17,7 +17,9 @@ Data flow (Triton / interpret backends):
         prefill tiles (bq=8), sequence order:  p0 = seq 0 [0, 5)   p1, p2, p3 = seq 2 [6, 14) [14, 22) [22, 23)
         small tiles (q_len <= 4):              s0 = s1 [5, 6)      s1 = s3 [23, 24)
         work list, interleave: p0 s0 p1 p2 s1 p3      prefill_first: p0 p1 p2 p3 s0 s1
-        query j of seq s sits at position kv_lens[s] - q_len[s] + j and sees keys 0..that position.
+        query j of seq s sits at position kv_lens[s] - q_len[s] + j and sees keys 0..that position
+        (with a sliding `window`: keys (position - window, position]; the page loop of a tile then starts at
+        the block holding its first row's earliest key, so pages wholly before every row's window are skipped).
 
 Prefill tiles are compute-bound on pages that mostly sit in L2; decode tiles are bound by HBM bandwidth.
 Both kinds share one compiled kernel, whose registers and shared memory are sized by the prefill branch,
@@ -50,6 +52,7 @@ from pallas_kernels.paged_attention import (
     flatten_pages,
     load_kv_block,
     validate_pages,
+    validate_window,
 )
 
 SCHEDULES = ("interleave", "prefill_first")
@@ -197,6 +200,7 @@ def _attend_tile(
     page_size,
     pages_per_block,
     compute_dtype,
+    window,
 ):
     """Causal attention of tokens q0 .. q0+block_q-1 of sequence `seq` (rows past its end are not stored)."""
     q_begin, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
@@ -207,15 +211,19 @@ def _attend_tile(
     kv_hi = first_pos + jnp.minimum(q0 + block_q, q_end) - q_begin  # keys the tile's last row sees
     block_tokens = pages_per_block * page_size
     q = q_ref[pl.ds(q0 * group_rows, rows), :]  # [M, D]
+    # Earliest key any row of the tile sees: the first row's window start (0 without a window).
+    kv_lo = None if window is None else jnp.maximum(first_pos + q0 - q_begin - window + 1, 0)
 
     def body(i, carry):
         page0 = i * pages_per_block
         pages = block_tables_ref[seq, pl.ds(page0, pages_per_block)]  # [pages_per_block]
         first_token = page0 * page_size
-        k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, kv_hi, page_size)
-        v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, kv_hi, page_size)
+        k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, kv_hi, page_size, kv_lo)
+        v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, kv_hi, page_size, kv_lo)
         key = first_token + jnp.arange(block_tokens)  # [N]
         mask = valid[None, :] & (key[None, :] <= pos[:, None])  # [M, N]
+        if window is not None:
+            mask &= key[None, :] > pos[:, None] - window
         return attend_block(q, k, v, ks, vs, mask, carry, scale_log2=scale_log2, compute_dtype=compute_dtype)
 
     carry = (
@@ -223,7 +231,8 @@ def _attend_tile(
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    acc, _, l = jax.lax.fori_loop(0, pl.cdiv(kv_hi, block_tokens), body, carry)
+    first_block = 0 if window is None else kv_lo // block_tokens
+    acc, _, l = jax.lax.fori_loop(first_block, pl.cdiv(kv_hi, block_tokens), body, carry)
     out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
     store_mask = jnp.broadcast_to((tok < q_end)[:, None], out.shape)
     pltriton.store(o_ref.at[pl.ds(q0 * group_rows, rows), :], out, mask=store_mask)
@@ -273,7 +282,20 @@ def _ragged_kernel(
 # pallas_call builder.
 # ---------------------------------------------------------------------------------------------------------
 def _ragged_pallas(
-    q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales, *, sm_scale, config, interpret
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    cu_q_lens,
+    num_seqs,
+    k_scales,
+    v_scales,
+    *,
+    sm_scale,
+    config,
+    interpret,
+    window,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -304,6 +326,7 @@ def _ragged_pallas(
         pages_per_block=pages_per_block,
         group_rows=group_rows,
         compute_dtype=q_rows.dtype,
+        window=window,
     )
     # Grid (Hkv, W): heads vary fastest, so entries launch in work-list order and the heads of one entry,
     # which read the same block tables, run side by side.
@@ -365,7 +388,7 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k
         )
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config", "window"))
 def ragged_paged_attention(
     q,
     k_pages,
@@ -380,6 +403,7 @@ def ragged_paged_attention(
     v_scales=None,
     backend=None,
     config: RaggedConfig = RaggedConfig(),
+    window: int | None = None,
 ):
     """Causal attention of a flat, ragged batch of query tokens over a paged KV cache.
 
@@ -394,11 +418,13 @@ def ragged_paged_attention(
         k_scales, v_scales: [Hkv, num_pages, page_size] float32 per-token scales, for quantised pages only.
         backend: None, "triton", "interpret" or "xla" (see pallas_kernels.backend).
         config: tile sizes (static).
+        window: sliding window (static): the query at position p sees keys (p - window, p]; None: 0..p.
 
     Returns:
         [T, Hq, D] in q's dtype; rows at or past cu_q_lens[num_seqs] are zero.
     """
     _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales)
+    validate_window("ragged_paged_attention", window)
     num_seqs = jnp.reshape(num_seqs, ())
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     resolved = resolve_backend(backend, "ragged_paged_attention")
@@ -414,6 +440,7 @@ def ragged_paged_attention(
             sm_scale=sm_scale,
             k_scales=k_scales,
             v_scales=v_scales,
+            window=window,
         ).astype(q.dtype)
     if resolved == "mosaic_gpu":
         raise ValueError("ragged_paged_attention: no mosaic_gpu kernel yet; use backend='triton'")
@@ -434,6 +461,7 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         config=config,
         interpret=resolved == "interpret",
+        window=window,
     )
 
 
@@ -451,6 +479,7 @@ def reference(
     v_scales=None,
     backend=None,
     token_chunk: int = 64,
+    window=None,
 ):
     """Plain-jnp float32 ragged attention; gathers each token's page list, `token_chunk` tokens at a time."""
     del backend
@@ -471,7 +500,10 @@ def reference(
         q_c, seq_c, pos_c = args  # [C, Hq, D], [C], [C]
         k = k_all[:, block_tables[seq_c]].reshape(num_kv_heads, len(seq_c), -1, head_dim)  # [Hkv, C, L, D]
         v = v_all[:, block_tables[seq_c]].reshape(num_kv_heads, len(seq_c), -1, head_dim)
-        valid = jnp.arange(k.shape[2])[None, :] <= pos_c[:, None]  # [C, L]
+        key = jnp.arange(k.shape[2])[None, :]
+        valid = key <= pos_c[:, None]  # [C, L]
+        if window is not None:
+            valid &= key > pos_c[:, None] - window
         k = jnp.where(valid[None, :, :, None], k, 0.0)  # unused slots may hold NaN
         v = jnp.where(valid[None, :, :, None], v, 0.0)
         qg = q_c.astype(jnp.float32).reshape(len(seq_c), num_kv_heads, group, head_dim)

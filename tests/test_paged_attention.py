@@ -21,8 +21,12 @@ HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
 
-def build_pool(rng, seq_lens, *, num_kv_heads, head_dim, page_size, dtype, spare_pages=3):
+def build_pool(rng, seq_lens, *, num_kv_heads, head_dim, page_size, dtype, spare_pages=3, dead_before=None):
     """Random shuffled page pool for sequences of `seq_lens` tokens, poisoned outside them.
+
+    `dead_before` [S] (sliding windows): keys below it are outside every query's window, so they are poisoned
+    too, and table entries of pages wholly below it point at a poisoned spare page, as after the engine freed
+    them.
 
     Returns:
         dict with k_pages, v_pages [Hkv, P, ps, D] in `dtype`, k_scales / v_scales [Hkv, P, ps] (or None),
@@ -38,8 +42,12 @@ def build_pool(rng, seq_lens, *, num_kv_heads, head_dim, page_size, dtype, spare
     used = 0
     for s, (n, p) in enumerate(zip(seq_lens, needed)):
         block_tables[s, :p] = perm[used : used + p]
-        poison[perm[used : used + p]] = (np.arange(p * page_size) >= n).reshape(p, page_size)
+        slot = np.arange(p * page_size)
+        dead = 0 if dead_before is None else dead_before[s]
+        poison[perm[used : used + p]] = ((slot >= n) | (slot < dead)).reshape(p, page_size)
         used += p
+        freed = max(0, min(p, dead // page_size))  # pages wholly before the window
+        block_tables[s, :freed] = spare[0]
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     out = {"block_tables": block_tables}
     for name in ("k", "v"):
@@ -88,15 +96,25 @@ class PagedAttentionTestBase:
         q_dtype=None,
         config=pa.PagedAttentionConfig(),
         seed=0,
+        window=None,
     ):
         rng = np.random.default_rng(seed)
-        pool = build_pool(rng, lengths, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
+        dead = None if window is None else [max(n - window, 0) for n in lengths]
+        pool = build_pool(
+            rng,
+            lengths,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            dtype=dtype,
+            dead_before=dead,
+        )
         q_dtype = q_dtype or (dtype if jnp.dtype(dtype) not in QUANT_MAX else jnp.bfloat16)
         q = jnp.asarray(rng.standard_normal((len(lengths), num_kv_heads * group, head_dim)), q_dtype)
         args = (q, pool["k_pages"], pool["v_pages"], jnp.asarray(pool["block_tables"]), jnp.asarray(lengths, jnp.int32))
         scales = dict(k_scales=pool["k_scales"], v_scales=pool["v_scales"])
-        out = pa.paged_attention(*args, **scales, backend=self.backend, config=config)
-        ref = pa.reference(*args, **scales)
+        out = pa.paged_attention(*args, **scales, backend=self.backend, config=config, window=window)
+        ref = pa.reference(*args, **scales, window=window)
         assert out.shape == q.shape and out.dtype == q.dtype
         zero = np.asarray(lengths) == 0
         np.testing.assert_array_equal(np.asarray(out, np.float32)[zero], 0.0)
@@ -155,6 +173,17 @@ class PagedAttentionTestBase:
         )
         assert rel_err(out, ref) < 2e-2
 
+    @pytest.mark.parametrize(
+        "window,page_size,block_tokens,num_splits",
+        [(1, 16, 32, 1), (40, 16, 32, 1), (40, 16, 64, 4), (100, 32, 32, 2), (512, 16, 32, None), (7, 64, 64, 1)],
+    )
+    def test_sliding_window(self, window, page_size, block_tokens, num_splits):
+        """Keys before each window are NaN and their freed pages point at a NaN page: only the window is read."""
+        config = pa.PagedAttentionConfig(block_tokens=block_tokens, num_splits=num_splits)
+        lengths = [0, 1, 3, 39, 41, 127, 513, 700]
+        out, ref = self.run_case(lengths=lengths, group=4, page_size=page_size, config=config, window=window)
+        assert rel_err(out, ref) < 1e-4
+
 
 class TestPagedAttentionInterpret(PagedAttentionTestBase):
     backend = "interpret"
@@ -191,6 +220,21 @@ def test_reference_matches_dense_softmax():
     pages = pool["block_tables"][0, :3]
     k = np.asarray(pool["k_pages"])[0, pages].reshape(-1, 16)[:37]
     v = np.asarray(pool["v_pages"])[0, pages].reshape(-1, 16)[:37]
+    logits = q[0] @ k.T / 4.0
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(out[0]), (p / p.sum(-1, keepdims=True)) @ v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [1, 5, 36, 37, 100])
+def test_reference_window_matches_dense_softmax(window):
+    rng = np.random.default_rng(4)
+    pool = build_pool(rng, [37], num_kv_heads=1, head_dim=16, page_size=16, dtype=jnp.float32)
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    args = (jnp.asarray(q), pool["k_pages"], pool["v_pages"], jnp.asarray(pool["block_tables"]))
+    out = pa.reference(*args, jnp.asarray([37], jnp.int32), window=window)
+    pages = pool["block_tables"][0, :3]
+    k = np.asarray(pool["k_pages"])[0, pages].reshape(-1, 16)[:37][-window:]
+    v = np.asarray(pool["v_pages"])[0, pages].reshape(-1, 16)[:37][-window:]
     logits = q[0] @ k.T / 4.0
     p = np.exp(logits - logits.max(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(out[0]), (p / p.sum(-1, keepdims=True)) @ v, rtol=1e-5, atol=1e-6)
@@ -236,6 +280,8 @@ def test_choose_num_splits():
         (lambda a: a.update(block_tables=jnp.zeros((2, 2), jnp.float32)), "block_tables"),
         (lambda a: a.update(lengths=jnp.ones((3,), jnp.int32)), "lengths"),
         (lambda a: a.update(k_pages=jnp.zeros((2, 4, 12, 16)), v_pages=jnp.zeros((2, 4, 12, 16))), "power of 2"),
+        (lambda a: a.update(window=0), "window"),
+        (lambda a: a.update(window=True), "window"),
     ],
 )
 def test_validation_errors(mutate, match):

@@ -49,10 +49,23 @@ def make_batch(
     page_size=16,
     dtype=jnp.float32,
     q_dtype=None,
+    window=None,
 ):
-    """Inputs for `seqs` [(q_len, kv_len)] plus `pad_slots` unused sequence slots and `pad_tokens` rows."""
+    """Inputs for `seqs` [(q_len, kv_len)] plus `pad_slots` unused sequence slots and `pad_tokens` rows.
+
+    With a `window`, keys before every query row's window are poisoned and their wholly-dead pages freed."""
     kv_lens = [kv for _, kv in seqs] + [0] * pad_slots
-    pool = _build_pool(rng, kv_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype)
+    # The first query row of a sequence sits at kv - q and sees keys > kv - q - window.
+    dead = None if window is None else [max(kv - q - window + 1, 0) for q, kv in seqs] + [0] * pad_slots
+    pool = _build_pool(
+        rng,
+        kv_lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        dead_before=dead,
+    )
     cu = np.concatenate([[0], np.cumsum([q for q, _ in seqs] + [0] * pad_slots)]).astype(np.int32)
     num_tokens = int(cu[-1]) + pad_tokens
     q_dtype = q_dtype or (dtype if jnp.dtype(dtype) not in QUANT_DTYPES else jnp.bfloat16)
@@ -72,10 +85,10 @@ def make_batch(
 class RaggedAttentionTestBase:
     backend: str = "interpret"
 
-    def run_case(self, seqs, *, config=rpa.RaggedConfig(), seed=0, **kwargs):
-        args, scales = make_batch(np.random.default_rng(seed), seqs, **kwargs)
-        out = rpa.ragged_paged_attention(*args, **scales, backend=self.backend, config=config)
-        ref = rpa.reference(*args, **scales)
+    def run_case(self, seqs, *, config=rpa.RaggedConfig(), seed=0, window=None, **kwargs):
+        args, scales = make_batch(np.random.default_rng(seed), seqs, window=window, **kwargs)
+        out = rpa.ragged_paged_attention(*args, **scales, backend=self.backend, config=config, window=window)
+        ref = rpa.reference(*args, **scales, window=window)
         assert out.shape == args[0].shape and out.dtype == args[0].dtype
         live = int(args[5][int(args[6])])
         np.testing.assert_array_equal(np.asarray(out, np.float32)[live:], 0.0)  # padding rows
@@ -130,6 +143,23 @@ class RaggedAttentionTestBase:
     def test_quantised_pages(self, dtype):
         out, ref = self.run_case(MIXED, group=4, page_size=32, dtype=dtype)
         assert rel_err(out, ref) < 2e-2
+
+    @pytest.mark.parametrize(
+        "window,page_size,rows,block_tokens", [(1, 16, 32, 32), (20, 16, 32, 32), (64, 32, 64, 64), (100, 16, 16, 16)]
+    )
+    def test_sliding_window(self, window, page_size, rows, block_tokens):
+        """Prefill chunks crossing the window edge and decode rows; keys before each window are NaN."""
+        seqs = MIXED + [(70, 300), (40, 40)]
+        config = rpa.RaggedConfig(block_q_rows=rows, block_tokens=block_tokens)
+        out, ref = self.run_case(seqs, group=4, page_size=page_size, config=config, window=window)
+        assert rel_err(out, ref) < 1e-4
+
+    def test_window_decode_rows_match_paged_kernel(self):
+        seqs = [(1, n) for n in (1, 3, 127, 513)]
+        args, _ = make_batch(np.random.default_rng(6), seqs, group=4, pad_slots=0, pad_tokens=0, window=50)
+        ragged = rpa.ragged_paged_attention(*args, backend=self.backend, window=50)
+        decode = pa.paged_attention(*args[:5], backend=self.backend, window=50)
+        np.testing.assert_allclose(np.asarray(ragged), np.asarray(decode), rtol=1e-4, atol=1e-5)
 
     def test_decode_rows_match_paged_kernel(self):
         seqs = [(1, n) for n in (1, 3, 127, 513)]
@@ -232,6 +262,8 @@ def _valid_args():
         (dict(cu_q_lens=jnp.asarray([0, 1], jnp.int32)), "cu_q_lens"),
         (dict(num_seqs=jnp.ones((2,), jnp.int32)), "num_seqs"),
         (dict(block_tables=jnp.zeros((2,), jnp.int32)), "block_tables"),
+        (dict(window=0), "window"),
+        (dict(window=-3), "window"),
     ],
 )
 def test_validation_errors(change, match):

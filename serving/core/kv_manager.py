@@ -36,6 +36,17 @@ Copy-on-write: a block with refcount > 1 is copied before a write into it (the (
 runner). The scheduler's own flows write only past the shared prefix (prefix hits and cached blocks end on a
 block boundary), so copies are rare; the manager handles them anyway.
 
+Sliding windows (`window`, when EVERY layer attends to the last `window` keys only, as in Mistral-style
+configs; a model with any global layer, like Gemma 3, keeps the whole context): a block none of whose positions
+any later query can see is given back at the next `allocate`, and its table entry becomes the null page, which
+the paged kernels never read (they start at the window):
+
+    window 6, block_size 4, num_computed 13: the next query sits at >= 13 and sees keys > 13 - 6 = 7
+    position   0..3  4..7 | 8..11  12..
+    blocks     b0    b1   | b2     b3          b0, b1 hold only keys <= 7: freed, table [0, 0, b2, b3]
+
+Only the leading blocks that are still held (before the first freed one) can enter the prefix cache afterwards.
+
 Prefix counters (one set): `prefix_queried_tokens` / `prefix_hit_tokens` count a request's prompt and its hit
 at its first admission only (`record_admission`), so retries and recomputation after preemption do not count.
 """
@@ -46,7 +57,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
-from serving.core.block_manager import BlockManager
+from serving.core.block_manager import NULL_BLOCK, BlockManager
 from serving.core.radix_cache import RadixCache, RadixNode
 from serving.core.request import Request
 
@@ -87,15 +98,21 @@ _FAILED, _DONE = Allocation(False), Allocation(True)
 class KVManager:
     """Block tables of running requests over one block pool and one optional prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None):
         """Args:
         num_blocks: KV pages in the device pool, including the null page 0.
         block_size: tokens per page.
         enable_prefix_caching: reuse KV of shared prefixes through a radix cache.
+        window: the sliding window of every layer (ModelConfig.kv_window), or None when some layer sees the whole
+            context; blocks outside it are given back.
         """
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be None or >= 1, got {window}")
         self.block_size = block_size
+        self.window = window
+        self._num_freed: dict[str, int] = {}  # request_id -> leading table entries given back (window)
         self.block_manager = BlockManager(num_blocks)
         self.cache = RadixCache(self.block_manager, block_size) if enable_prefix_caching else None
         self._lock_node: dict[str, RadixNode] = {}  # Deepest cache node a request uses, locked.
@@ -183,6 +200,8 @@ class KVManager:
         """
         bm, bs = self.block_manager, self.block_size
         start = req.num_computed_tokens
+        if self.window is not None:
+            self.free_outside_window(req)
         if n == 1 and start // bs < len(req.block_ids) and bm.refcount(req.block_ids[start // bs]) == 1:
             return _DONE  # Decode fast path: the token goes into a private block already held.
         num_new, shared = self._needs(req, n)
@@ -200,6 +219,21 @@ class KVManager:
             pairs.append(cow.pair)
         req.block_ids.extend(bm.allocate(num_new))
         return Allocation(True, tuple(pairs), need)
+
+    def free_outside_window(self, req: Request) -> int:
+        """Gives back req's leading blocks that no query at or after `num_computed_tokens` can see (see the module
+        docstring); their table entries become the null page. Returns the blocks freed (0 without a window)."""
+        if self.window is None:
+            return 0
+        # The next query sits at position >= num_computed and sees keys > num_computed - window.
+        dead = min(max(0, req.num_computed_tokens - self.window + 1) // self.block_size, len(req.block_ids))
+        done = self._num_freed.get(req.request_id, 0)
+        if dead <= done:
+            return 0
+        freed = [b for b in req.block_ids[done:dead] if b != NULL_BLOCK]
+        req.block_ids[done:dead] = [NULL_BLOCK] * (dead - done)
+        self._num_freed[req.request_id] = dead
+        return self.block_manager.free(freed)
 
     def append_provisional(self, req: Request, k: int) -> Allocation:
         """Allocates for the request's known tokens not yet computed plus `k` provisional (draft) tokens after
@@ -255,6 +289,8 @@ class KVManager:
         if self.cache is None:
             return
         k = req.num_computed_tokens // self.block_size
+        if self._num_freed.get(req.request_id, 0):  # only blocks before the first freed one form a prefix
+            k = min(k, req.block_ids.index(NULL_BLOCK))
         if k <= self._num_tree_blocks.get(req.request_id, 0):
             return
         result = self.cache.insert(req.all_token_ids[: k * self.block_size], req.block_ids[:k], req.cache_namespace)
@@ -279,7 +315,8 @@ class KVManager:
             self.cache.unlock(node)
         self._num_tree_blocks.pop(req.request_id, None)
         self._provisional.pop(req.request_id, None)
-        self.block_manager.free(req.block_ids)
+        self._num_freed.pop(req.request_id, None)
+        self.block_manager.free([b for b in req.block_ids if b != NULL_BLOCK])
         req.block_ids = []
 
     # ----------------------------------------------------------------------------------------------- checks

@@ -84,6 +84,7 @@ class Scheduler:
         policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
         enable_chunked_prefill: bool = True,
+        kv_window: int | None = None,
     ):
         """Args:
         num_blocks: KV pages in the device pool, including the null page 0.
@@ -95,6 +96,7 @@ class Scheduler:
         policy: "fcfs" (arrival order) or "priority" (lower Request.priority first, then arrival).
         long_prefill_token_threshold: cap on one request's tokens per step (0: no cap).
         enable_chunked_prefill: when False a prompt is admitted only if it fits the budget whole.
+        kv_window: sliding window of every layer (ModelConfig.kv_window): KV blocks outside it are given back.
         """
         for name, value in (
             ("block_size", block_size),
@@ -117,7 +119,7 @@ class Scheduler:
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.kv = KVManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv = KVManager(num_blocks, block_size, enable_prefix_caching, window=kv_window)
         self.requests: dict[str, Request] = {}  # Unfinished requests.
         self.running: list[Request] = []
         self._waiting: collections.deque[Request] | list[Request] = [] if policy == "priority" else collections.deque()
