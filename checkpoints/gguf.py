@@ -8,7 +8,12 @@ at a time; `load_params` reads them all into a dict.
 
 RoPE: llama.cpp's converter permutes the rows of attn_q / attn_k so that its "normal" (interleaved-pair) RoPE can be
 applied. We undo that permutation here and keep HF's rotate-half RoPE everywhere, so GGUF and safetensors weights
-are laid out identically and one attention implementation serves both.
+are laid out identically and one attention implementation serves both. Gemma 3 (NeoX RoPE) is not permuted.
+
+Gemma 3: llama.cpp stores every RMSNorm weight as (1 + w); HF (and our model, `ModelConfig.norm_offset`) keep w
+and scale by (1 + w), so the loader subtracts 1 (as HF's GGUF loader does). The file names neither the local RoPE
+base (10k) nor the global/local layer pattern (every 6th layer global), which llama.cpp and HF fix per
+architecture; they are filled in here the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import numpy as np
 from checkpoints.lazy import LazyParams, shape_of
 from model.config import ModelConfig, RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # llama.cpp `set_swa_pattern(6)`, HF Gemma3TextConfig's layer_types
+GEMMA3_ROPE_LOCAL_THETA = 10000.0  # HF Gemma3TextConfig rope_local_base_freq
 
 _LAYER_NAMES = {
     "attn_norm.weight": "attn_norm",
@@ -39,7 +46,12 @@ _LAYER_NAMES = {
     "attn_q.bias": "bq",
     "attn_k.bias": "bk",
     "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "post_attn_norm",
+    "post_ffw_norm.weight": "post_mlp_norm",
 }
+_NORM_LEAVES = ("attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 _GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 
 
@@ -111,7 +123,11 @@ def config_from_metadata(reader, meta: GGUFMetadata, eos_token_ids: tuple[int, .
     hidden = int(_field(reader, f"{a}.embedding_length"))
     heads = int(_field(reader, f"{a}.attention.head_count"))
     scaling = None
-    if _field(reader, f"{a}.rope.scaling.type") == "llama3" or _field(reader, f"{a}.rope.scaling.factor"):
+    if a == "gemma3" and float(_field(reader, f"{a}.rope.scaling.factor", 1.0)) != 1.0:
+        raise ValueError("gemma3 GGUF with rope scaling (Gemma 3 4B and larger) is not supported yet")
+    if a == "llama" and (
+        _field(reader, f"{a}.rope.scaling.type") == "llama3" or _field(reader, f"{a}.rope.scaling.factor")
+    ):
         scaling = RopeScaling(
             factor=float(_field(reader, f"{a}.rope.scaling.factor", 8.0)),
             original_max_position_embeddings=int(_field(reader, f"{a}.rope.scaling.original_context_length", 8192)),
@@ -119,6 +135,17 @@ def config_from_metadata(reader, meta: GGUFMetadata, eos_token_ids: tuple[int, .
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = _field(reader, f"{a}.vocab_size") or len(meta.tokens) or (int(embed.shape[-1]) if embed else 0)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
+    head_dim = int(_field(reader, f"{a}.attention.key_length", 0) or _field(reader, f"{a}.rope.dimension_count", 0))
+    head_dim = head_dim or hidden // heads
+    window = _field(reader, f"{a}.attention.sliding_window")  # Mistral-style llama files window every layer
+    arch_fields = {"sliding_window": int(window) if window else None}
+    if a == "gemma3":
+        arch_fields.update(
+            arch="gemma3",
+            sliding_window_pattern=GEMMA3_SLIDING_WINDOW_PATTERN,
+            rope_local_theta=GEMMA3_ROPE_LOCAL_THETA,
+            query_pre_attn_scalar=float(head_dim),  # HF's default 256 = head_dim for the 270M..12B models
+        )
     return ModelConfig(
         name=str(meta.name),
         vocab_size=int(vocab),
@@ -127,7 +154,7 @@ def config_from_metadata(reader, meta: GGUFMetadata, eos_token_ids: tuple[int, .
         num_layers=int(_field(reader, f"{a}.block_count")),
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{a}.rope.dimension_count", hidden // heads)),
+        head_dim=head_dim,
         rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
@@ -136,6 +163,7 @@ def config_from_metadata(reader, meta: GGUFMetadata, eos_token_ids: tuple[int, .
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         bos_token_id=meta.bos_token_id,
         eos_token_ids=eos_token_ids,
+        **arch_fields,
     )
 
 
@@ -177,7 +205,10 @@ def _load_tensor(tensor, name: str, config: ModelConfig) -> np.ndarray:
     """One GGUF tensor as a canonical float32 host array ([in, out] for linears, HF row order for q/k)."""
     w = _dequantize(tensor)
     leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("wq", "bq"):
+    if config.is_gemma:
+        if leaf in _NORM_LEAVES:
+            w = w - np.float32(config.norm_offset)  # llama.cpp stored (1 + w)
+    elif leaf in ("wq", "bq"):
         w = unpermute_rope_rows(w, config.num_heads)
     elif leaf in ("wk", "bk"):
         w = unpermute_rope_rows(w, config.num_kv_heads)
@@ -249,6 +280,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         )
         if config.attention_bias:
             shapes.update({p + "bq": (config.q_size,), p + "bk": (config.kv_size,), p + "bv": (config.kv_size,)})
+        if config.is_gemma:
+            hd = config.head_dim
+            shapes.update(
+                {p + "q_norm": (hd,), p + "k_norm": (hd,), p + "post_attn_norm": (d,), p + "post_mlp_norm": (d,)}
+            )
     return shapes
 
 
@@ -259,7 +295,7 @@ def eos_ids_from_vocab(meta: GGUFMetadata) -> tuple[int, ...]:
     <|endoftext|> instead, so generation stops on either, as on Llama-3's <|eot_id|> / <|end_of_text|>.
     """
     ids = [] if meta.eos_token_id is None else [int(meta.eos_token_id)]
-    for special in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
+    for special in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>"):
         if special in meta.tokens:
             idx = meta.tokens.index(special)
             if idx not in ids:

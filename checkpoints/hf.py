@@ -126,12 +126,9 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     ]
     if missing:
         raise ValueError(f"config.json lacks required field(s) {missing}")
+    window = None
     if hf.get("sliding_window") and hf.get("use_sliding_window", arch == "MistralForCausalLM"):
-        # Full causal attention equals sliding-window attention for contexts up to the window, which is where
-        # these models are normally served; we do not window longer contexts.
-        _log.warning(
-            "config.json sets sliding_window=%s; it is ignored (attention is full causal)", hf["sliding_window"]
-        )
+        window = int(hf["sliding_window"])  # Mistral-style: every layer windowed (ModelConfig.sliding_window)
     theta, scaling = _rope(hf)
     heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
@@ -154,6 +151,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
         attention_bias=SUPPORTED_ARCHITECTURES[arch] or bool(hf.get("attention_bias", False)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        sliding_window=window,
     )
 
 

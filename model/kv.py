@@ -4,9 +4,12 @@ The transformer is written once; what changes between scoring a sequence, the co
 path and the paged engine is only how each layer stores the new K/V and which keys a query may see. Each of
 those is a small pytree dataclass with one method,
 
-    attend(q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], positions [B,T], cache) -> (out [B,T,Hq,hd], cache)
+    attend(q [B,T,Hq,hd], k [B,T,Hkv,hd], v [B,T,Hkv,hd], positions [B,T], cache, *, window, sm_scale)
+        -> (out [B,T,Hq,hd], cache)
 
-so the metadata travels through `jax.jit` as an ordinary argument.
+so the metadata travels through `jax.jit` as an ordinary argument. `window` is the layer's sliding window (a
+query at position p sees keys in (p - window, p]; None: all of 0..p) and `sm_scale` its logit scale (None:
+1/sqrt(hd)); both are static per layer.
 """
 
 from __future__ import annotations
@@ -57,11 +60,13 @@ class NoCache:
 
     valid_len: jax.Array  # [B]
 
-    def attend(self, q, k, v, positions, cache: Any):
+    def attend(self, q, k, v, positions, cache: Any, *, window=None, sm_scale=None):
         t = q.shape[1]
         idx = jnp.arange(t)
         mask = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] < self.valid_len[:, None, None])
-        return masked_attention(q, k, v, mask), cache
+        if window is not None:
+            mask &= idx[None, None, :] > idx[None, :, None] - window
+        return masked_attention(q, k, v, mask, sm_scale), cache
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +79,7 @@ class ContiguousMeta:
     overwritten by the row's real decode tokens before any query can see it.
     """
 
-    def attend(self, q, k, v, positions, cache):
+    def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None):
         k_cache, v_cache = cache
         start = positions[:, 0]
         write = jax.vmap(lambda c, new, s: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), s, axis=0))
@@ -82,7 +87,9 @@ class ContiguousMeta:
         v_cache = write(v_cache, v, start)
         keys = jnp.arange(k_cache.shape[1])
         mask = keys[None, None, :] <= positions[:, :, None]
-        return masked_attention(q, k_cache, v_cache, mask), (k_cache, v_cache)
+        if window is not None:
+            mask &= keys[None, None, :] > positions[:, :, None] - window
+        return masked_attention(q, k_cache, v_cache, mask, sm_scale), (k_cache, v_cache)
 
 
 def init_contiguous_cache(
@@ -118,20 +125,21 @@ class PagedMeta:
     backend: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))  # jax.sharding.Mesh or None
 
-    def attend(self, q, k, v, positions, cache):
+    def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None):
         k_pages, v_pages = cache
+        attn = dict(window=window, sm_scale=sm_scale)
         repeat = k_pages.shape[0] // k.shape[2]  # > 1: KV heads repeated to the tensor-parallel degree
         if repeat > 1:
             k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         tp = 1 if self.mesh is None else dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("tensor", 1)
         if tp == 1 or q.shape[2] % tp or k_pages.shape[0] % tp:
-            out, k_pages, v_pages = self._write_attend(q[0], k[0], v[0], k_pages, v_pages)
+            out, k_pages, v_pages = self._write_attend(q[0], k[0], v[0], k_pages, v_pages, **attn)
             return out[None], (k_pages, v_pages)
         from jax.sharding import PartitionSpec as P
 
         heads, pages, rep = P(None, "tensor", None), P("tensor", None, None, None), P()
         fn = jax.shard_map(
-            lambda meta, *a: meta._write_attend(*a),
+            lambda meta, *a: meta._write_attend(*a, **attn),
             mesh=self.mesh,
             in_specs=(rep, heads, heads, heads, pages, pages),
             out_specs=(heads, pages, pages),
@@ -140,15 +148,18 @@ class PagedMeta:
         out, k_pages, v_pages = fn(self, q[0], k[0], v[0], k_pages, v_pages)
         return out[None], (k_pages, v_pages)
 
-    def _write_attend(self, q, k, v, k_pages, v_pages):
+    def _write_attend(self, q, k, v, k_pages, v_pages, window=None, sm_scale=None):
         """KV write then the kernel on one device's heads: q [T, Hq, hd], k/v [T, Hkv, hd] -> (out, pages)."""
         from pallas_kernels.paged_attention import paged_attention
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
         k_pages = write_pages(k_pages, k, self.slot_mapping)
         v_pages = write_pages(v_pages, v, self.slot_mapping)
+        attn_args = dict(window=window, sm_scale=sm_scale)
         if self.decode_only:
-            out = paged_attention(q, k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend)
+            out = paged_attention(
+                q, k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend, **attn_args
+            )
         else:
             out = ragged_paged_attention(
                 q,
@@ -159,6 +170,7 @@ class PagedMeta:
                 self.cu_q_lens,
                 self.num_seqs,
                 backend=self.backend,
+                **attn_args,
             )
         return out, k_pages, v_pages
 

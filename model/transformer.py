@@ -33,9 +33,13 @@ from model.quant import QuantizedArray, matmul
 class Attention(nnx.Module):
     """Grouped-query self-attention: q/k/v projections, RoPE, cache write + attend (metadata), output projection."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, layer: int = 0):
         d = cfg.hidden_size
         self.cfg = cfg
+        self.window = cfg.layer_window(layer)
+        if cfg.is_gemma:  # QK-norm: RMSNorm over each head's width, before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         self.wq = _param((d, cfg.q_size), dtype, rngs, d**-0.5)
         self.wk = _param((d, cfg.kv_size), dtype, rngs, d**-0.5)
         self.wv = _param((d, cfg.kv_size), dtype, rngs, d**-0.5)
@@ -57,26 +61,35 @@ class Attention(nnx.Module):
                 k + self.bk[...].astype(k.dtype),
                 v + self.bv[...].astype(v.dtype),
             )
-        q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions_bt, inv_freq)
-        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions_bt, inv_freq)
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.is_gemma:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions_bt, inv_freq)
+        k = apply_rope(k, positions_bt, inv_freq)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        out, cache = meta.attend(q, k, v, positions_bt, cache)
+        out, cache = meta.attend(q, k, v, positions_bt, cache, window=self.window, sm_scale=cfg.attn_scale)
         return matmul(out.reshape(b, t, cfg.q_size), self.wo.get_value()), cache
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype, rngs)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, layer: int = 0):
+        norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+        self.attn_norm = norm()
+        self.attn = Attention(cfg, dtype, rngs, layer)
+        self.mlp_norm = norm()
+        self.post_norms = cfg.is_gemma  # Gemma 3 also norms each branch's output before the residual add
+        if cfg.is_gemma:
+            self.post_attn_norm, self.post_mlp_norm = norm(), norm()
         self.mlp = MoEMLP(cfg, dtype, rngs) if cfg.is_moe else GatedMLP(cfg, dtype, rngs)
 
     def __call__(self, x, positions, inv_freq, cache, meta, valid=None):
         """(x, cache, tokens_per_expert [E] int32 of the real tokens `valid` [B, T] (MoE) or None (dense))."""
         h, cache = self.attn(self.attn_norm(x), positions, inv_freq, cache, meta)
-        x = x + h
+        x = x + (self.post_attn_norm(h) if self.post_norms else h)
         if not isinstance(self.mlp, MoEMLP):
-            return x + self.mlp(self.mlp_norm(x)), cache, None
+            h = self.mlp(self.mlp_norm(x))
+            return x + (self.post_mlp_norm(h) if self.post_norms else h), cache, None
         # The paged metadata carries the engine's mesh: the experts then run split over it (expert parallelism).
         y, tokens_per_expert = self.mlp(self.mlp_norm(x), valid, mesh=getattr(meta, "mesh", None))
         return x + y, cache, tokens_per_expert
@@ -89,8 +102,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-        self.layers = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nnx.List([Block(cfg, dtype, rngs, layer=i) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param((cfg.hidden_size, cfg.vocab_size), dtype, rngs, cfg.hidden_size**-0.5)
 
@@ -118,10 +131,15 @@ class Transformer(nnx.Module):
         Returns:
           (logits [B, K or T, V] float32, new caches), plus tokens_per_expert when router_stats.
         """
-        inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        cfg = self.cfg
+        thetas = {cfg.layer_rope_theta(i) for i in range(cfg.num_layers)}  # Gemma 3: local and global bases
+        inv_freqs = {theta: rope_inv_freq(cfg.head_dim, theta, cfg.rope_scaling) for theta in thetas}
         x = self.embed(tokens_bt, self.dtype)
+        if cfg.is_gemma:  # embeddings scaled by sqrt(D), the factor rounded to the compute dtype as in HF
+            x = x * jnp.asarray(cfg.hidden_size**0.5, self.dtype)
         new_caches, counts = [], []
         for i, layer in enumerate(self.layers):
+            inv_freq = inv_freqs[cfg.layer_rope_theta(i)]
             x, c, n = layer(x, positions_bt, inv_freq, None if caches is None else caches[i], meta, valid_bt)
             new_caches.append(c)
             counts.append(jnp.zeros((0,), jnp.int32) if n is None else n)
@@ -132,6 +150,8 @@ class Transformer(nnx.Module):
             logits = self.embed.attend(x)
         else:
             logits = matmul(x, self.lm_head.get_value(), out_dtype=jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         out = logits, (None if caches is None else new_caches)
         return (*out, jnp.stack(counts)) if router_stats else out
 
@@ -141,6 +161,10 @@ class Transformer(nnx.Module):
 _LAYER_PATHS = {
     "attn_norm": ("attn_norm", "weight"),
     "mlp_norm": ("mlp_norm", "weight"),
+    "post_attn_norm": ("post_attn_norm", "weight"),
+    "post_mlp_norm": ("post_mlp_norm", "weight"),
+    "q_norm": ("attn", "q_norm", "weight"),
+    "k_norm": ("attn", "k_norm", "weight"),
     "wq": ("attn", "wq"),
     "wk": ("attn", "wk"),
     "wv": ("attn", "wv"),
@@ -172,9 +196,12 @@ def _param_slots(model: Transformer) -> dict[str, nnx.Param]:
         slots["lm_head"] = model.lm_head
     paths = _MOE_LAYER_PATHS if model.cfg.is_moe else _LAYER_PATHS
     for i, layer in enumerate(model.layers):
-        for name, (mod, attr) in paths.items():
-            if hasattr(getattr(layer, mod), attr):
-                slots[f"layers.{i}.{name}"] = getattr(getattr(layer, mod), attr)
+        for name, path in paths.items():
+            node = layer
+            for attr in path:  # (module, ..., attribute); optional slots (biases, Gemma norms) may be absent
+                node = getattr(node, attr, None)
+            if node is not None:
+                slots[f"layers.{i}.{name}"] = node
     return slots
 
 
@@ -245,12 +272,15 @@ def build_model(
     return model
 
 
-def _init_value(name: str, key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
-    """The random initialiser of `Transformer(..., rngs=...)`, per canonical name: norms 1, biases 0,
-    embedding N(0, 1), linear weights [in, out] N(0, 1/in)."""
+_NORMS = ("attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
+
+
+def _init_value(name: str, key: jax.Array, shape: tuple[int, ...], dtype, norm_value: float = 1.0) -> jax.Array:
+    """The random initialiser of `Transformer(..., rngs=...)`, per canonical name: norms `norm_value` (1, or 0
+    under Gemma's (1 + w) convention), biases 0, embedding N(0, 1), linear weights [in, out] N(0, 1/in)."""
     leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("attn_norm", "mlp_norm", "final_norm"):
-        return jnp.ones(shape, dtype)
+    if leaf in _NORMS:
+        return jnp.full(shape, norm_value, dtype)
     if leaf in ("bq", "bk", "bv"):
         return jnp.zeros(shape, dtype)
     scale = 1.0 if name == "embed" else shape[-2] ** -0.5  # fan-in: [in, out], or experts' [E, in, out]
@@ -276,11 +306,12 @@ def random_model(
         spec = slot.get_value()
         sharding = None if shardings is None else shardings.get(name)
         kind = name if name == "embed" else name.rsplit(".", 1)[-1]  # Layers share one compilation per slot.
-        init = _jitted_init(kind, tuple(spec.shape), jnp.dtype(dtype), sharding)
+        init = _jitted_init(kind, tuple(spec.shape), jnp.dtype(dtype), sharding, 1.0 - cfg.norm_offset)
         slot.set_value(init(jax.random.fold_in(root, i)))
     return model
 
 
 @functools.cache
-def _jitted_init(kind: str, shape: tuple[int, ...], dtype, sharding):
-    return jax.jit(functools.partial(_init_value, kind, shape=shape, dtype=dtype), out_shardings=sharding)
+def _jitted_init(kind: str, shape: tuple[int, ...], dtype, sharding, norm_value: float = 1.0):
+    init = functools.partial(_init_value, kind, shape=shape, dtype=dtype, norm_value=norm_value)
+    return jax.jit(init, out_shardings=sharding)

@@ -99,6 +99,7 @@ class LLMEngine:
             max_model_len,
             enable_prefix_caching=c.enable_prefix_caching,
             policy=c.policy,
+            kv_window=model.cfg.kv_window,
         )
         self._tracks: dict[str, _Track] = {}
         self._finished: dict[str, _Track] = {}
