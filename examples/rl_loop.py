@@ -22,6 +22,7 @@ Run:  python examples/rl_loop.py --sft_steps 4 --iterations 3 --max_tokens 16
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -106,6 +107,48 @@ def _sample_logprobs(lp_bt, prompts, samples):
     return [np.asarray(lp_bt[i, len(p) - 1 : len(p) - 1 + len(s)]) for i, (p, s) in enumerate(zip(prompts, samples))]
 
 
+@dataclasses.dataclass
+class Trainer:
+    """The trainer's side: the split module (trainable blocks, frozen rest) and its optax state."""
+
+    graphdef: nnx.GraphDef
+    opt: optax.GradientTransformation
+    train: nnx.State
+    frozen: nnx.State
+    opt_state: optax.OptState
+
+    @classmethod
+    def create(cls, model: Transformer, train_layers: int, learning_rate: float) -> Trainer:
+        first = model.cfg.num_layers - train_layers
+        graphdef, train, frozen = nnx.split(model, _is_trainable(first), ...)
+        opt = optax.adam(learning_rate)
+        return cls(graphdef, opt, train, frozen, opt.init(train))
+
+    def step(self, batch) -> np.ndarray:
+        """One optax step; returns the token logprobs [B, T-1] at the weights before it."""
+        self.train, self.opt_state, _, lp = train_step(
+            self.graphdef, self.opt, self.train, self.frozen, self.opt_state, batch
+        )
+        return np.asarray(lp)
+
+    def module(self) -> Transformer:
+        return nnx.merge(self.graphdef, self.train, self.frozen)
+
+
+def rl_round(llm: LLM, trainer: Trainer, prompts, vocab: set, max_tokens: int, seq_len: int) -> dict:
+    """generate -> score -> one policy-gradient step -> update_weights; returns what the round saw."""
+    outs = llm.generate(prompts, max_tokens=max_tokens, temperature=1.0, logprobs=0, ignore_eos=True)
+    samples = [o.token_ids for o in outs]
+    scored = [s.token_logprobs for s in llm.logprobs(prompts, samples)]
+    rewards = [float(np.mean([t in vocab for t in s])) for s in samples]
+    lp = trainer.step(pg_batch(prompts, samples, scored, rewards, seq_len))
+    trainer_lp = _sample_logprobs(lp, prompts, samples)  # at the weights that sampled
+    gap = max(float(np.abs(a - b).max()) for a, b in zip(trainer_lp, scored))
+    llm.update_weights(trainer.module())
+    seeds = [o.seed for o in outs]
+    return dict(reward=float(np.mean(rewards)), seeds=seeds, trainer_engine_gap=gap, samples=samples, scored=scored)
+
+
 def run(
     sft_steps: int = 4,
     iterations: int = 3,
@@ -124,55 +167,39 @@ def run(
     t0 = time.perf_counter()
     ckpt = load_checkpoint(None)
     cfg, tok = ckpt.config, ckpt.tokenizer
-    model = build_model(cfg, ckpt.params, jnp.float32)
     with open(text, encoding="utf-8") as f:
         ids = tok.encode(f.read())
-    graphdef, train, frozen = nnx.split(model, _is_trainable(cfg.num_layers - train_layers), ...)
-    opt = optax.adam(learning_rate)
-    opt_state = opt.init(train)
+    trainer = Trainer.create(build_model(cfg, ckpt.params, jnp.float32), train_layers, learning_rate)
+    batch_size = num_prompts * samples_per_prompt
     sft_losses = []
-    for batch in sft_batches(ids, num_prompts * samples_per_prompt, seq_len, sft_steps):
-        train, opt_state, _, lp = train_step(graphdef, opt, train, frozen, opt_state, batch)
-        sft_losses.append(float(-(batch[2] * np.asarray(lp)).sum()))  # cross-entropy before the step
+    for batch in sft_batches(ids, batch_size, seq_len, sft_steps):
+        sft_losses.append(float(-(batch[2] * trainer.step(batch)).sum()))  # cross-entropy before the step
     log(
-        f"SFT: {sft_steps} steps, cross-entropy {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f} "
-        f"({time.perf_counter() - t0:.0f} s)"
+        f"SFT: {sft_steps} steps, cross-entropy {sft_losses[0]:.3f} -> {sft_losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)"
     )
 
-    options = dict(max_num_seqs=num_prompts * samples_per_prompt, max_model_len=2 * seq_len, block_size=8)
-    options |= engine_options
-    llm = LLM.from_params(cfg, nnx.merge(graphdef, train, frozen), tokenizer=tok, **options)
+    options = dict(max_num_seqs=batch_size, max_model_len=2 * seq_len, block_size=8) | engine_options
+    llm = LLM.from_params(cfg, trainer.module(), tokenizer=tok, **options)
     starts = np.random.default_rng(1).integers(0, len(ids) - prompt_tokens, num_prompts)
     prompts = [ids[s : s + prompt_tokens] for s in starts for _ in range(samples_per_prompt)]
-    vocab = set(ids)
-    history, compiles_after_first = [], None
+    history, compiles = [], []
     for it in range(iterations):
-        outs = llm.generate(prompts, max_tokens=max_tokens, temperature=1.0, logprobs=0, ignore_eos=True)
-        samples = [o.token_ids for o in outs]
-        scored = llm.logprobs(prompts, samples)
-        rewards = [float(np.mean([t in vocab for t in s])) for s in samples]
-        batch = pg_batch(prompts, samples, [s.token_logprobs for s in scored], rewards, seq_len)
-        train, opt_state, _, lp = train_step(graphdef, opt, train, frozen, opt_state, batch)
-        trainer_lp = _sample_logprobs(np.asarray(lp), prompts, samples)  # at the weights that sampled
-        gap = max(float(np.abs(a - s.token_logprobs).max()) for a, s in zip(trainer_lp, scored))
-        llm.update_weights(nnx.merge(graphdef, train, frozen))
-        history.append(dict(reward=float(np.mean(rewards)), seeds=[o.seed for o in outs], trainer_engine_gap=gap))
-        log(f"iteration {it}: mean reward {np.mean(rewards):.3f}, trainer-engine logprob gap {gap:.2e}")
-        if it == 0:
-            compiles_after_first = (llm.engine.runner.num_compiles, train_step._cache_size())
+        history.append(rl_round(llm, trainer, prompts, set(ids), max_tokens, seq_len))
+        compiles.append((llm.engine.runner.num_compiles, train_step._cache_size()))
+        log(
+            f"round {it}: mean reward {history[-1]['reward']:.3f}, trainer-engine gap {history[-1]['trainer_engine_gap']:.1e}"
+        )
     final = llm.generate(prompts, max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     log(f"done in {time.perf_counter() - t0:.0f} s; sample: {final[0].text!r}")
     return dict(
         llm=llm,
         engine_options=options,
-        model=nnx.merge(graphdef, train, frozen),
+        model=trainer.module(),
         prompts=prompts,
         final=final,
-        samples=samples,
-        sample_logprobs_before_update=[s.token_logprobs for s in scored],
         history=history,
         sft_losses=sft_losses,
-        compiles_after_first=compiles_after_first,
+        compiles_after_first=compiles[0],
         compiles_at_end=(llm.engine.runner.num_compiles, train_step._cache_size()),
     )
 

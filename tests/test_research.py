@@ -304,12 +304,12 @@ def test_rl_example_on_smollm2(tmp_path):
         log=lambda s: print(s, flush=True),
         **opts,
     )
-    llm, prompts, samples = res["llm"], res["prompts"], res["samples"]
+    llm, prompts, samples = res["llm"], res["prompts"], res["history"][-1]["samples"]
     assert res["compiles_at_end"] == res["compiles_after_first"]
     assert all(h["trainer_engine_gap"] < 1e-3 for h in res["history"])
     assert res["history"][0]["seeds"] != res["history"][1]["seeds"]
     after = llm.logprobs(prompts, samples)
-    before = res["sample_logprobs_before_update"]
+    before = res["history"][-1]["scored"]  # the engine's logprobs of the last samples, before the last update
     assert max(np.abs(a.token_logprobs - b).max() for a, b in zip(after, before)) > 1e-4
     # The fresh engine repeats the updated one's calls in order, so their prefix caches (which decide how prompts
     # are split into steps, hence float rounding) are in the same state at each call.
