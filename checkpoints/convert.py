@@ -1,9 +1,17 @@
 """Converts a GGUF file or an HF safetensors directory into an Orbax checkpoint (checkpoints/orbax_io.py).
 
     python -m checkpoints.convert --src model.gguf --dst /ckpt/model [--dtype bfloat16] [--overwrite]
+        [--mesh tp=4,pp=2]
 
 Load (per-tensor progress on stderr) -> cast each tensor to --dtype in place (progress again) -> orbax save with
 config.json and the tokenizer files. Errors in flags or paths print one `convert: error: ...` line and exit 1.
+
+--mesh writes the checkpoint sharded for that mesh (degrees dp/tp/pp/ep of sharding/config.py; the first
+tp * pp * ... devices of this host, e.g. CPU devices from --xla_force_host_platform_device_count): each tensor
+goes from the host straight into its NamedSharding of sharding/rules.py, one tensor at a time, and Orbax writes
+every shard from the device that holds it. `orbax_io.restore(dst, mesh=other)` reshards on read: each device
+reads only the byte ranges of its own shards, so a checkpoint saved at tp=4 restores at tp=2 (or on one device)
+without the model ever existing whole on one device. The pipeline axis splits nothing yet (layers replicated).
 """
 
 from __future__ import annotations
@@ -29,6 +37,41 @@ _DTYPE = flags.DEFINE_enum(
     "parameter dtype to store; auto keeps the loaded one (float32 for GGUF, stored for HF)",
 )
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace an existing Orbax checkpoint at --dst")
+_MESH = flags.DEFINE_string("mesh", None, "shard the saved arrays for this mesh, e.g. tp=4,pp=2 (dp/tp/pp/ep)")
+
+
+def parse_mesh(spec: str):
+    """'tp=4,pp=2' -> ParallelConfig(tp=4, pp=2); a ValueError names the bad part."""
+    from sharding.config import ParallelConfig
+
+    degrees = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = part.partition("=")
+        if key not in ("dp", "tp", "pp", "ep") or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh: {part!r} is not <dp|tp|pp|ep>=<integer >= 1> (e.g. --mesh tp=4,pp=2)")
+        if key in degrees:
+            raise ValueError(f"--mesh: {key} given twice")
+        degrees[key] = int(value)
+    return ParallelConfig(**degrees)
+
+
+def _shard(config, params: dict, mesh_spec: str) -> dict:
+    """Each host array put into its NamedSharding on the --mesh mesh, one at a time (the host copy is dropped)."""
+    import jax
+
+    from sharding.mesh import make_mesh
+    from sharding.rules import param_shardings
+
+    parallel = parse_mesh(mesh_spec)
+    if parallel.num_devices > jax.device_count():
+        raise ValueError(f"--mesh {mesh_spec} needs {parallel.num_devices} devices; {jax.device_count()} exist")
+    mesh = make_mesh(parallel, devices=jax.devices()[: parallel.num_devices])
+    shardings = param_shardings({k: np.shape(v) for k, v in params.items()}, mesh, head_dim=config.head_dim)
+    progress = Progress(f"sharding for {mesh_spec}")
+    for i, name in enumerate(list(params)):
+        params[name] = jax.device_put(params[name], shardings[name])
+        progress(i + 1, len(params), name)
+    return params
 
 
 class Progress:
@@ -60,8 +103,9 @@ def _load(src: str, dtype: Any) -> tuple[Any, dict[str, np.ndarray], Any]:
     return checkpoint.config, checkpoint.params, checkpoint.tokenizer
 
 
-def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False) -> None:
-    """Loads `src` and writes an Orbax checkpoint with config and tokenizer at `dst`.
+def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False, mesh: str | None = None) -> None:
+    """Loads `src` and writes an Orbax checkpoint with config and tokenizer at `dst` (sharded for `mesh`, e.g.
+    "tp=4,pp=2", when given).
 
     Raises:
         FileNotFoundError, FileExistsError, ValueError: bad source or destination (messages name the path).
@@ -73,12 +117,16 @@ def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False) ->
         if not orbax_io.is_orbax_dir(dst):
             raise FileExistsError(f"{dst} exists and is not an Orbax checkpoint; refusing to overwrite it")
     cast = None if dtype == "auto" else jnp.dtype(dtype)
+    if mesh is not None:
+        parse_mesh(mesh)  # a bad --mesh fails before the (long) load
     config, params, tokenizer = _load(src, cast)
     if cast is not None:
         progress = Progress(f"casting to {dtype}")
         for i, name in enumerate(list(params)):
             params[name] = np.asarray(params[name]).astype(cast, copy=False)  # One tensor at a time: peak memory.
             progress(i + 1, len(params), name)
+    if mesh is not None:
+        params = _shard(config, params, mesh)
     size_gb = sum(p.nbytes for p in params.values()) / 1e9
     sys.stderr.write(f"saving {len(params)} tensors ({size_gb:.2f} GB) of {config.name} to {dst} ...\n")
     start = time.perf_counter()
@@ -99,7 +147,7 @@ def main(argv: list[str]) -> int:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every step at INFO; keep stderr to progress.
     try:
-        convert(_SRC.value, _DST.value, _DTYPE.value, _OVERWRITE.value)
+        convert(_SRC.value, _DST.value, _DTYPE.value, _OVERWRITE.value, _MESH.value)
     except (OSError, ValueError, RuntimeError) as e:  # Expected user errors: one line, no traceback.
         sys.stderr.write(f"convert: error: {e}\n")
         return 1

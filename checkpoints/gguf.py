@@ -257,6 +257,18 @@ def check_params(params: Mapping[str, Any], config: ModelConfig) -> None:
         raise ValueError("checkpoint does not match its config: " + "; ".join(problems[:8]))
 
 
+def _moe_shapes(shapes: dict[str, tuple[int, ...]], p: str, config: ModelConfig) -> None:
+    """Replaces layer prefix `p`'s dense MLP shapes with the MoE ones (canonical names of model/transformer.py)."""
+    d, e, f = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    fs = config.shared_expert_intermediate_size
+    for k in ("w_gate", "w_up", "w_down"):
+        del shapes[p + k]
+    shapes.update({p + "w_router": (d, e), p + "w_gate_up": (e, d, 2 * f), p + "w_experts_down": (e, f, d)})
+    if fs:
+        shapes.update({p + "shared_gate": (d, 1), p + "shared_w_gate": (d, fs), p + "shared_w_up": (d, fs)})
+        shapes[p + "shared_w_down"] = (fs, d)
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape for a config (docs/ARCHITECTURE.md)."""
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -278,6 +290,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "w_down": (f, d),
             }
         )
+        if config.is_moe:  # model/moe.py: routed experts (and a shared expert) instead of the dense MLP
+            _moe_shapes(shapes, p, config)
         if config.attention_bias:
             shapes.update({p + "bq": (config.q_size,), p + "bk": (config.kv_size,), p + "bv": (config.kv_size,)})
         if config.is_gemma:

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors checkpoints (Llama / Mistral / Qwen2) -> canonical params.
+"""Hugging Face safetensors checkpoints (Llama / Mistral / Qwen2, MoE: Mixtral / Qwen2-MoE) -> canonical params.
 
 Data flow: config.json -> `config_from_hf` -> ModelConfig; then every tensor named in
 model.safetensors.index.json (or found in the *.safetensors files when there is no index) is read one at a time
@@ -6,6 +6,16 @@ with safetensors' numpy API (by `lazy_hf` only when a model build asks for it), 
 (docs/ARCHITECTURE.md) and, for linear layers, transposed from HF's `[out, in]` to our `[in, out]`. bfloat16
 tensors come back as `ml_dtypes.bfloat16` numpy arrays (safetensors' numpy reader maps BF16 through ml_dtypes),
 so no torch is needed.
+
+MoE (model/moe.py): the router and the shared expert map one tensor to one canonical name, like a dense layer;
+the routed experts are stored one tensor per expert and projection and are assembled on read:
+
+    Mixtral    block_sparse_moe.gate.weight [E, D]               -> w_router [D, E]
+               block_sparse_moe.experts.e.{w1, w3}.weight [F, D] -> w_gate_up[e] = [w1.T | w3.T]  [D, 2F]
+               block_sparse_moe.experts.e.w2.weight [D, F]       -> w_experts_down[e] = w2.T     [F, D]
+    Qwen2-MoE  mlp.gate.weight, mlp.experts.e.{gate,up,down}_proj.weight (the same way),
+               mlp.shared_expert.{gate,up,down}_proj.weight -> shared_w_*, mlp.shared_expert_gate.weight [1, D]
+               -> shared_gate [D, 1]
 """
 
 from __future__ import annotations
@@ -29,7 +39,13 @@ _log = logging.getLogger(__name__)
 
 # Architecture -> whether q/k/v projections always carry a bias. Llama and Mistral read `attention_bias` from
 # config.json instead (default False).
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+    "MixtralForCausalLM": False,
+    "Qwen2MoeForCausalLM": True,
+}
 
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -47,6 +63,26 @@ _LAYER_TENSORS = {
     "mlp.down_proj.weight": ("w_down", True),
     "input_layernorm.weight": ("attn_norm", False),
     "post_attention_layernorm.weight": ("mlp_norm", False),
+}
+_LAYER_TENSORS.update(
+    {
+        "block_sparse_moe.gate.weight": ("w_router", True),
+        "mlp.gate.weight": ("w_router", True),
+        "mlp.shared_expert.gate_proj.weight": ("shared_w_gate", True),
+        "mlp.shared_expert.up_proj.weight": ("shared_w_up", True),
+        "mlp.shared_expert.down_proj.weight": ("shared_w_down", True),
+        "mlp.shared_expert_gate.weight": ("shared_gate", True),
+    }
+)
+# Per-expert HF suffix -> (canonical suffix, which part): gate / up fill w_gate_up's column halves, down w_experts_down.
+_EXPERT_RE = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PARTS = {
+    "w1": ("w_gate_up", "gate"),
+    "gate_proj": ("w_gate_up", "gate"),
+    "w3": ("w_gate_up", "up"),
+    "up_proj": ("w_gate_up", "up"),
+    "w2": ("w_experts_down", "down"),
+    "down_proj": ("w_experts_down", "down"),
 }
 _GLOBAL_TENSORS = {
     "model.embed_tokens.weight": ("embed", False),
@@ -67,6 +103,16 @@ def canonical_name(hf_name: str) -> tuple[str, bool] | None:
         suffix, transpose = _LAYER_TENSORS[match.group(2)]
         return f"layers.{match.group(1)}.{suffix}", transpose
     return None
+
+
+def expert_part(hf_name: str) -> tuple[str, int, str] | None:
+    """Maps an HF routed-expert tensor name to (canonical name, expert, "gate" | "up" | "down"), else None."""
+    match = _LAYER_RE.fullmatch(hf_name)
+    sub = _EXPERT_RE.fullmatch(match.group(2)) if match else None
+    if sub is None:
+        return None
+    suffix, part = _EXPERT_PARTS[sub.group(2)]
+    return f"layers.{match.group(1)}.{suffix}", int(sub.group(1)), part
 
 
 # Config ------------------------------------------------------------------------------------------------------------
@@ -134,7 +180,7 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
     eos = hf.get("eos_token_id")
     eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
     bos = hf.get("bos_token_id")
-    return ModelConfig(
+    return _moe_config(hf, arch).replace(
         name=name,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -152,6 +198,28 @@ def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         sliding_window=window,
+    )
+
+
+def _moe_config(hf: dict[str, Any], arch: str) -> ModelConfig:
+    """A ModelConfig holding only the MoE fields of a Mixtral / Qwen2-MoE config.json (the default one for dense)."""
+    if arch == "MixtralForCausalLM":
+        return ModelConfig(
+            num_experts=int(hf.get("num_local_experts", 8)),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=int(hf["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    if arch != "Qwen2MoeForCausalLM":
+        return ModelConfig()
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise ValueError("Qwen2-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported")
+    return ModelConfig(
+        num_experts=int(hf["num_experts"]),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     )
 
 
@@ -201,7 +269,9 @@ def _read_one(fn: str, hf_name: str, transpose: bool, dtype: Any) -> np.ndarray:
 
 def _wanted(path: str, config: ModelConfig, files: dict[str, str]) -> dict[str, tuple[str, bool]]:
     """HF name -> (canonical name, transpose?) of every tensor the config needs; unknown or missing ones raise."""
-    unknown = sorted(n for n in files if canonical_name(n) is None and not _IGNORED_RE.fullmatch(n))
+    unknown = sorted(
+        n for n in files if canonical_name(n) is None and expert_part(n) is None and not _IGNORED_RE.fullmatch(n)
+    )
     if unknown:
         raise ValueError(
             f"unexpected tensor(s) for {config.name} (unsupported variant?): {unknown[:8]}"
@@ -214,7 +284,8 @@ def _wanted(path: str, config: ModelConfig, files: dict[str, str]) -> dict[str, 
         mapped = canonical_name(hf_name)
         if mapped is not None and mapped[0] in shapes:
             wanted[hf_name] = mapped
-    missing = sorted(set(shapes) - {c for c, _ in wanted.values()})
+    experts = {part[0] for n in files if (part := expert_part(n)) is not None}
+    missing = sorted(set(shapes) - {c for c, _ in wanted.values()} - experts)
     if missing:
         raise ValueError(
             f"checkpoint {path} lacks tensor(s) {missing[:8]}"
@@ -248,7 +319,40 @@ def lazy_hf(
             )
         loaders[name] = functools.partial(_read_one, files[hf_name], hf_name, transpose, dtype)
         shapes[name] = shape
+    for name, parts in _expert_tensors(path, config, files).items():
+        loaders[name] = functools.partial(_read_experts, parts, dtype)
+        shapes[name] = expected[name]
     return config, LazyParams(loaders, shapes, progress)
+
+
+def _expert_tensors(path: str, config: ModelConfig, files: dict[str, str]) -> dict[str, list[list[tuple[str, str]]]]:
+    """Canonical expert tensor -> per expert, its (file, HF name) parts in column order (gate, up | down); every
+    part's stored shape is checked against the config."""
+    found: dict[str, dict[tuple[int, str], str]] = {}
+    for hf_name in files:
+        part = expert_part(hf_name)
+        if part is not None:
+            found.setdefault(part[0], {})[part[1:]] = hf_name
+    d, f = config.hidden_size, config.moe_intermediate_size
+    stored = _stored_shapes({n: files[n] for parts in found.values() for n in parts.values()})
+    out = {}
+    for name, parts in found.items():
+        kinds = ("down",) if name.endswith("w_experts_down") else ("gate", "up")
+        want = (d, f) if kinds == ("down",) else (f, d)
+        lost = [f"expert {e} {k}" for e in range(config.num_experts) for k in kinds if (e, k) not in parts]
+        if lost or len(parts) != config.num_experts * len(kinds):
+            raise ValueError(f"checkpoint {path}: {name} lacks {lost[:4]} or has experts beyond {config.num_experts}")
+        bad = [n for n in parts.values() if stored[n] != want]
+        if bad:
+            raise ValueError(f"tensor {bad[0]} has shape {stored[bad[0]]}; expected {want} for {name}")
+        out[name] = [[(files[parts[e, k]], parts[e, k]) for k in kinds] for e in range(config.num_experts)]
+    return out
+
+
+def _read_experts(experts: list[list[tuple[str, str]]], dtype: Any) -> np.ndarray:
+    """[E, D, 2F] (gate | up columns) or [E, F, D] from per-expert [out, in] HF tensors, transposed."""
+    stacked = [np.concatenate([_read_one(fn, n, True, dtype) for fn, n in parts], axis=1) for parts in experts]
+    return np.stack(stacked)
 
 
 def load_hf(

@@ -70,6 +70,7 @@ class EngineStats:
     num_steps: int = 0
     num_step_failures: int = 0
     speculative: dict = dataclasses.field(default_factory=dict)  # method -> SpecDecoder.metrics() totals
+    router_tokens: Any = None  # MoE: tokens routed per layer and expert [L, E] (ModelRunner.router_load), or None
 
 
 _ACCEPTED = object()  # First item of a stream whose requests the engine took.
@@ -444,6 +445,7 @@ class AsyncEngine:
             num_steps=self.engine.num_steps,
             num_step_failures=self.stats.num_step_failures,
             speculative=spec.metrics() if (spec := getattr(self.engine, "spec", None)) is not None else {},
+            router_tokens=self.engine.runner.router_load() if hasattr(self.engine, "runner") else None,
         )
 
 

@@ -60,6 +60,7 @@ class _EngineCollector:
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         yield from _speculative_families(s.speculative)
+        yield from _router_families(s.router_tokens)
 
 
 _SPEC_COUNTERS = (  # SpecDecoder.metrics() key, metric name, help; exposed with the _total suffix, per method
@@ -84,6 +85,29 @@ def _speculative_families(per_method: dict):
             for method, m in per_method.items():
                 family.add_metric([method], m[key])
             yield family
+
+
+def _router_families(router_tokens):
+    """MoE router load (none for a dense model): tokens routed per layer and expert, and per layer the busiest
+    expert's share over the mean (1.0 = perfectly balanced; E = every token on one expert)."""
+    if router_tokens is None:
+        return
+    routed = CounterMetricFamily(
+        f"{PREFIX}_moe_routed_tokens",
+        "Token-to-expert assignments (top-k each) by layer and expert.",
+        labels=["layer", "expert"],
+    )
+    imbalance = GaugeMetricFamily(
+        f"{PREFIX}_moe_expert_load_imbalance", "Busiest expert's assignments / the mean, by layer.", labels=["layer"]
+    )
+    for layer, counts in enumerate(router_tokens):
+        counts = [int(c) for c in counts]
+        for expert, c in enumerate(counts):
+            routed.add_metric([str(layer), str(expert)], c)
+        total = sum(counts)
+        imbalance.add_metric([str(layer)], max(counts) * len(counts) / total if total else 1.0)
+    yield routed
+    yield imbalance
 
 
 class ServerMetrics:

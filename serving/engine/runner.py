@@ -162,7 +162,9 @@ class ModelRunner:
         self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
         self.kv_dtype = kv_dtype or model.dtype
         kv_heads = kv_cache_heads(self.cfg.num_kv_heads, self.mesh)  # repeated up to tp when fewer (model/kv.py)
-        cache = init_paged_cache(self.cfg.num_layers, num_blocks, block_size, kv_heads, self.cfg.head_dim, self.kv_dtype)
+        cache = init_paged_cache(
+            self.cfg.num_layers, num_blocks, block_size, kv_heads, self.cfg.head_dim, self.kv_dtype
+        )
         self.kv_cache = [tuple(jax.device_put(a, kv_cache_sharding(a.shape, self.mesh)) for a in kv) for kv in cache]
         self.num_blocks = num_blocks
         # MoE router load: tokens routed to each expert of each layer [L, E], summed on device over every step.
@@ -420,6 +422,15 @@ class ModelRunner:
     def _count_routed(self, counts: jax.Array) -> None:
         if self.cfg.is_moe:  # one small device add, no sync
             self.router_tokens = _add(self.router_tokens, counts)
+
+    def router_load(self) -> np.ndarray | None:
+        """Tokens routed to each expert of each layer so far [L, E] (None: a dense model), without waiting: while
+        the latest sum is still being computed, the previous snapshot is returned."""
+        if not self.cfg.is_moe:
+            return None
+        if self.router_tokens.is_ready() or getattr(self, "_router_host", None) is None:
+            self._router_host = np.asarray(self.router_tokens)
+        return self._router_host
 
     def decode_loop(
         self,
