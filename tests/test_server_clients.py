@@ -25,7 +25,9 @@ from serving.api import http as server_http
 MODEL = srv.DEFAULT_MODEL_NAME
 MAX_MODEL_LEN = 256
 MAX_QUEUE = 8
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pallas-serve", "xla-tests")
+CACHE_DIR = os.environ.get(
+    "PALLAS_SERVE_TEST_XLA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pallas-serve", "xla-tests")
+)
 ENGINE_OPTIONS = dict(
     max_num_seqs=8,
     max_num_batched_tokens=64,
