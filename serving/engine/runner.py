@@ -44,6 +44,7 @@ from model.transformer import Transformer
 from model.transformer import _param_slots as param_slots
 from pallas_kernels.backend import resolve_backend
 from serving.engine.executable_cache import ExecutableCache
+from serving.engine.weights import swap_params
 from sharding.mesh import ParallelConfig, make_mesh
 from sharding.rules import kv_cache_heads, kv_cache_sharding, param_shardings
 
@@ -177,29 +178,16 @@ class ModelRunner:
         """Puts every parameter on the mesh with its NamedSharding from sharding/rules.py (in place)."""
         slots = param_slots(model)
         shardings = param_shardings({n: s[...] for n, s in slots.items()}, self.mesh, head_dim=self.cfg.head_dim)
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        for name, slot in slots.items():
-            if isinstance(slot.get_value(), QuantizedArray):  # no sharding rules for its leaves yet: replicated
-                slot.set_value(jax.tree.map(lambda a: jax.device_put(a, replicated), slot.get_value()))
-            else:  # set_value, not slot[...] = (an .at[...].set scatter: a copy, and it fails across devices)
-                slot.set_value(jax.device_put(slot.get_value(), shardings[name]))
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # QuantizedArray leaves
+        for name, slot in slots.items():  # set_value: slot[...] = is a scatter (a copy, failing across devices)
+            value = slot.get_value()
+            slot.set_value(jax.device_put(value, replicated if isinstance(value, QuantizedArray) else shardings[name]))
         return model
 
     def set_params(self, params) -> None:
-        """Swaps in new weights without recompiling: `params` has the tree, shapes, dtypes and shardings of
-        `self.params` (serving/engine/weights.py builds it). They are copied into the old buffers, which are
-        donated, so memory does not grow and the caller keeps its arrays; the model the runner was built from
-        no longer shares arrays with `self.params` (nnx.update it from them)."""
-        old, new = jax.tree.leaves(self.params), jax.tree.leaves(params)
-        if jax.tree.structure(params) != jax.tree.structure(self.params):
-            raise ValueError("set_params: params do not have the runner's parameter tree")
-        for i, (a, b) in enumerate(zip(old, new)):
-            if (a.shape, a.dtype) != (b.shape, b.dtype) or not a.sharding.is_equivalent_to(b.sharding, a.ndim):
-                raise ValueError(
-                    f"set_params: leaf {i} is {b.shape} {b.dtype} {b.sharding}, the runner's "
-                    f"{a.shape} {a.dtype} {a.sharding}"
-                )
-        self.params = jax.tree.unflatten(jax.tree.structure(self.params), _copy_into(old, new))
+        """Swaps in weights of the same tree, shapes, dtypes and shardings: nothing recompiles; they are copied into
+        the old (donated) buffers. serving/engine/weights.py builds them and `swap_params` checks them."""
+        self.params = swap_params(self.params, params)
 
     @property
     def logit_buckets(self) -> tuple[int, ...]:
@@ -496,12 +484,6 @@ def _chain_tokens(prev_tokens, index, last, host_tokens):
 @jax.jit
 def _add(a, b):
     return a + b
-
-
-@functools.partial(jax.jit, donate_argnums=(0,), keep_unused=True)
-def _copy_into(old, new):
-    """`new` copied into the buffers of `old` (donated; kept although unused, so XLA aliases them)."""
-    return [jnp.copy(b) for b in new]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

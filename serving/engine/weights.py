@@ -22,6 +22,7 @@ calibration inputs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -146,6 +147,29 @@ def state_like(graphdef, state: nnx.State, params: Mapping[str, Any]) -> nnx.Sta
     for name, slot in slots.items():
         slot.set_value(matched(name, params[name], slot.get_value()))
     return nnx.split(module)[1]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), keep_unused=True)
+def _copy_into(old, new):
+    """`new` copied into the buffers of `old` (donated; kept although unused, so XLA aliases them)."""
+    return [jnp.copy(b) for b in new]
+
+
+def swap_params(old: nnx.State, new: nnx.State) -> nnx.State:
+    """`new` (the tree, shapes, dtypes and shardings of `old`) copied into `old`'s buffers, which are donated:
+    memory does not grow, compiled steps take the result unchanged, and the caller keeps `new`.
+
+    Raises:
+      ValueError: a different tree, or a leaf of another shape, dtype or sharding.
+    """
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise ValueError("set_params: params do not have the runner's parameter tree")
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(old), jax.tree.leaves(new))):
+        if (a.shape, a.dtype) != (b.shape, b.dtype) or not a.sharding.is_equivalent_to(b.sharding, a.ndim):
+            raise ValueError(
+                f"set_params: leaf {i} is {b.shape} {b.dtype} {b.sharding}, the runner's {a.shape} {a.dtype} {a.sharding}"
+            )
+    return jax.tree.unflatten(jax.tree.structure(old), _copy_into(jax.tree.leaves(old), jax.tree.leaves(new)))
 
 
 def update_runner(runner, params: Mapping[str, Any]) -> None:
