@@ -240,13 +240,9 @@ def test_summarize_goodput_and_cut_requests():
 
 def test_llm_generate_progress_callback(server):
     """Called after every step, monotone, ending at (total, total, all tokens); the generate binary's bar."""
-    import jax
-
     from serving.engine.llm import LLM
     from serving.progress import Progress
 
-    jax.config.update("jax_compilation_cache_dir", CACHE_DIR)  # as the server does
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     llm = LLM(max_model_len=MAX_MODEL_LEN, **ENGINE)
     calls = []
     outs = llm.generate(

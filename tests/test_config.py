@@ -353,6 +353,7 @@ def test_llm_construction_enables_the_compilation_cache(tiny_llm, monkeypatch, t
 
     calls = {}
     monkeypatch.setattr(jax.config, "update", lambda key, value: calls.__setitem__(key, value))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a CPU host keeps no compiled code on disk
 
     def no_checkpoint(model):
         raise FileNotFoundError("not loaded in this test")
@@ -367,4 +368,16 @@ def test_llm_construction_enables_the_compilation_cache(tiny_llm, monkeypatch, t
     assert calls["jax_compilation_cache_dir"] == str(tmp_path)
     calls.clear()
     llm_module.LLM.from_model(tiny_llm.model, tiny_llm.tokenizer, config.replace(compilation_cache_dir=""))
+    assert calls == {}
+
+
+def test_cpu_hosts_keep_no_compiled_code_on_disk(monkeypatch):
+    import jax
+
+    from serving.engine import llm as llm_module
+
+    calls = {}
+    monkeypatch.setattr(jax.config, "update", lambda key, value: calls.__setitem__(key, value))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    llm_module.enable_compilation_cache("/tmp/somewhere")
     assert calls == {}

@@ -28,6 +28,7 @@ from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.decode_loop import DecodeLoops, has_penalties
+from serving.engine.quantize import kv_cache_dtype, quantize_model
 from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, pad_sampling, sample_rows, size_kv_pool
 from serving.engine.speculate import make_spec_decoder
 from serving.engine.structured import StructuredOutputs, sample_rows_masked
@@ -67,17 +68,20 @@ class LLMEngine:
         self.eos_token_ids = tuple(model.cfg.eos_token_ids)
         self.vocab_size = model.cfg.vocab_size
         self.max_model_len = max_model_len = c.max_model_len or model.cfg.max_position_embeddings
+        if c.quantization.method is not None:  # weights quantised at load (serving/engine/quantize.py)
+            quantize_model(model, c.quantization.method, tokenizer, calibration_file=c.quantization.calibration_file)
+        kv_dtype = kv_cache_dtype(c.kv_cache_dtype, model.dtype)
         default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
         num_blocks = c.num_kv_blocks or size_kv_pool(
-            model, c.block_size, model.dtype, c.kv_cache_memory_fraction, default_blocks
+            model, c.block_size, kv_dtype, c.kv_cache_memory_fraction, default_blocks
         )
         log.info(
             "KV pool: %d blocks of %d tokens = %d tokens (%.2f GB of %s)",
             num_blocks,
             c.block_size,
             (num_blocks - 1) * c.block_size,
-            num_blocks * kv_bytes_per_block(model, c.block_size, model.dtype) / 1e9,
-            jax.numpy.dtype(model.dtype).name,
+            num_blocks * kv_bytes_per_block(model, c.block_size, kv_dtype) / 1e9,
+            jax.numpy.dtype(kv_dtype).name,
         )
         self.runner = ModelRunner(
             model,
@@ -87,6 +91,7 @@ class LLMEngine:
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=max_model_len,
             attention_backend=c.attention_backend,
+            kv_dtype=kv_dtype,
             max_logits_per_row=1 + c.speculative.num_speculative_tokens,  # a verify row: last token + k drafts
             executable_cache_dir=_executable_dir(c.compilation_cache_dir),
             mesh=_mesh(c, model.cfg),
@@ -420,5 +425,8 @@ def _logprob_entry(req: Request, token, lp, top_ids, top_lp):
 
 
 def _executable_dir(compilation_cache_dir: str) -> str | None:
-    """Compiled step executables live beside JAX's compilation cache ('' turns both off)."""
-    return os.path.join(os.path.expanduser(compilation_cache_dir), "executables") if compilation_cache_dir else None
+    """Compiled step executables live beside JAX's compilation cache ('' turns both off; a CPU host keeps neither,
+    see serving/engine/llm.py caches_compiled_code)."""
+    if not compilation_cache_dir or jax.default_backend() == "cpu":
+        return None
+    return os.path.join(os.path.expanduser(compilation_cache_dir), "executables")

@@ -54,10 +54,21 @@ def _score(model: Transformer, tokens_bt):
     return model(tokens_bt, jnp.arange(t)[None], None, NoCache(jnp.array([t])))[0]
 
 
+def caches_compiled_code() -> bool:
+    """Whether this backend keeps compiled code on disk (the persistent compilation cache, the executable cache).
+
+    Not on a CPU: there jax 0.11.2's XLA:CPU executables read back from a shared cache directory failed at run
+    time in this project's tests ("JaxRuntimeError: Function negate_power_fusion not found" inside LLM.generate,
+    gone with the cache off), so a CPU host compiles afresh; accelerators, where start-up matters, cache.
+    """
+    return jax.default_backend() != "cpu"
+
+
 def enable_compilation_cache(directory: str) -> None:
     """Turns on JAX's persistent compilation cache in `directory` ('~' expanded; '' leaves it off), so a restarted
-    process loads its step executables instead of compiling them again. Takes effect before the first compile."""
-    if not directory:
+    process loads its step executables instead of compiling them again. Takes effect before the first compile.
+    A no-op on a CPU host (see `caches_compiled_code`)."""
+    if not directory or not caches_compiled_code():
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
