@@ -226,45 +226,40 @@ TP_SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 from model.config import ModelConfig
 from model.transformer import model_params, random_model
-from serving.engine import weights
-from serving.engine.runner import ModelRunner, RowInput
+from serving.engine.llm import LLM
 from sharding.mesh import ParallelConfig, make_mesh
+from sharding.rules import shard_params
 
 cfg = ModelConfig.tiny()
-mesh = make_mesh(ParallelConfig(tp=2), devices=jax.devices()[:2])
-kw = dict(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32,
-          attention_backend="xla", mesh=mesh)
-runner = ModelRunner(random_model(cfg, jnp.float32, seed=3), **kw)
-ids = [5, 17, 230, 41, 9, 77, 301]
-before = np.asarray(runner.forward([RowInput(ids, 0, [1, 2])]))
+opts = dict(tensor_parallel_size=2, num_kv_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+            max_model_len=32, attention_backend="xla", decode_steps=1, warmup=False, compilation_cache_dir="")
+prompts, conts = [[5, 17, 230, 41, 9, 77, 301], [5, 17, 230, 41, 9, 60]], [[12, 400, 3], [7]]
+llm = LLM.from_params(cfg, model_params(random_model(cfg, jnp.float32, seed=3)), **opts)
+before = llm.logprobs(prompts, conts)
+runner = llm.engine.runner
 specs = [a.sharding for a in jax.tree.leaves(runner.params)]
 compiles = runner.num_compiles
 new = model_params(random_model(cfg, jnp.float32, seed=8))  # single-device arrays: put on the tp shardings
-weights.update_runner(runner, new)
-assert all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(jax.tree.leaves(runner.params), specs))
+llm.update_weights(new)
+leaves = jax.tree.leaves(runner.params)
+assert all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(leaves, specs))
 wq = runner.params["layers"][0]["attn"]["wq"][...]
 assert wq.sharding.shard_shape(wq.shape)[1] == wq.shape[1] // 2, wq.sharding
-after = np.asarray(runner.forward([RowInput(ids, 0, [1, 2])]))
+after = llm.logprobs(prompts, conts)
 assert runner.num_compiles == compiles, (runner.num_compiles, compiles)
-fresh = ModelRunner(random_model(cfg, jnp.float32, seed=8), **kw)
-np.testing.assert_allclose(after, np.asarray(fresh.forward([RowInput(ids, 0, [1, 2])])), atol=1e-6, rtol=1e-6)
-assert np.abs(after - before).max() > 1e-2
-
-# Parameters already sharded on the tp mesh (a trainer's) build an engine on its own mesh: scores are unchanged.
-from sharding.rules import shard_params
-from serving.engine.llm import LLM
-llm = LLM.from_params(cfg, shard_params(new, mesh, head_dim=cfg.head_dim), num_kv_blocks=16, block_size=4,
-                      max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, attention_backend="xla",
-                      decode_steps=1, warmup=False, compilation_cache_dir="")
-lp = llm.logprobs([ids], [[123]])[0].token_logprobs
-np.testing.assert_allclose(lp, [jax.nn.log_softmax(after[0])[123]], atol=1e-5)  # logits after the last id
+assert max(np.abs(a.token_logprobs - b.token_logprobs).max() for a, b in zip(before, after)) > 1e-2
+# A fresh engine over the same weights, given already sharded on a tp mesh (a trainer's): the same scores.
+mesh = make_mesh(ParallelConfig(tp=2), devices=jax.devices()[:2])
+fresh = LLM.from_params(cfg, shard_params(new, mesh, head_dim=cfg.head_dim), **opts)
+for a, b in zip(after, fresh.logprobs(prompts, conts)):
+    np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, atol=1e-6)
 print("ok")
 """
 
 
 def test_update_weights_under_tensor_parallelism():
-    """EngineConfig still refuses tensor_parallel_size > 1, so the runner is driven directly on a tp=2 mesh of
-    forced CPU devices: the swap keeps every sharding, compiles nothing and equals a fresh runner."""
+    """tensor_parallel_size=2 on forced CPU devices: the swap keeps every sharding (weights split by heads),
+    compiles nothing, and equals a fresh engine built from parameters already sharded on a tp mesh."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
     proc = subprocess.run(
         [sys.executable, "-c", TP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
