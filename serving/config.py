@@ -193,6 +193,8 @@ class SpeculativeConfig:
             _check_choice("speculative_method", self.method, SPECULATIVE_METHODS)
             if self.method == "medusa":
                 _not_supported_yet("speculative_method", self.method)
+        if self.method is not None and self.num_speculative_tokens == 0:
+            raise ValueError(f"speculative_method={self.method!r} needs num_speculative_tokens >= 1")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1 if self.method else 0)
         _check_int("speculative_batch_threshold", self.speculative_batch_threshold, 0)
         _check_int("speculative_draft_layers", self.speculative_draft_layers, 0)
