@@ -30,7 +30,7 @@ OPTIONS = dict(
     max_num_batched_tokens=32,
     block_size=16,
     num_kv_blocks=96,
-    decode_steps=1,
+    decode_steps=4,  # steps without drafts run as on-device loops: speculation and loops alternate
     speculative_method="ngram",
     num_speculative_tokens=3,
 )
@@ -145,6 +145,7 @@ def proposers(llm):
 def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(llm, prompts, reference, proposers, name):
     engine = llm.engine
     sched = _use_scheduler(engine, num_blocks=12)  # 11 blocks of 16 for 4 requests of 72-110 tokens
+    loops_before = engine.num_decode_loops
     with _speculating(engine, _decoder(engine, proposers[name])) as spec:
         tracks, most = _run(
             engine, [(p, SamplingParams(max_tokens=m, temperature=0.0)) for p, m in zip(prompts, MAX_TOKENS)]
@@ -157,8 +158,8 @@ def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(llm, 
     assert m["accepted"] < m["drafted"]  # some drafts were rejected (and rolled back: the block check in _run)
     if name in ("ngram", "draft"):
         assert most > 1 and m["acceptance_rate"] > 0.3  # several tokens per step reach the stream
-    if name == "weak":
-        assert m["drafted"] - m["accepted"] > 20  # many rejections
+    if name == "weak":  # many rejections; then the policy rests the requests (probes only) and loops decode
+        assert m["drafted"] - m["accepted"] > 5 and engine.num_decode_loops > loops_before
 
 
 def test_stops_min_tokens_penalties_and_seeds_act_as_without_speculation(llm, prompts):
