@@ -288,7 +288,7 @@ def test_rl_example_on_smollm2(tmp_path):
         max_num_batched_tokens=32,
         decode_steps=1,
         warmup=False,
-        compilation_cache_dir=str(tmp_path),  # the fresh engine below loads the executables the first compiled
+        compilation_cache_dir=str(tmp_path),  # kept out of the shared cache (on a CPU host it stays off)
     )
     res = rl_loop.run(
         sft_steps=2,
