@@ -15,6 +15,7 @@ query at position p sees keys in (p - window, p]; None: all of 0..p) and `sm_sca
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -126,36 +127,44 @@ class PagedMeta:
     mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))  # jax.sharding.Mesh or None
 
     def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None):
-        k_pages, v_pages = cache
+        # cache: (k_pages, v_pages) float pages, or (k_pages, v_pages, k_scales, v_scales) quantised pages.
+        k_pages = cache[0]
         attn = dict(window=window, sm_scale=sm_scale)
         repeat = k_pages.shape[0] // k.shape[2]  # > 1: KV heads repeated to the tensor-parallel degree
         if repeat > 1:
             k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         tp = 1 if self.mesh is None else dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("tensor", 1)
         if tp == 1 or q.shape[2] % tp or k_pages.shape[0] % tp:
-            out, k_pages, v_pages = self._write_attend(q[0], k[0], v[0], k_pages, v_pages, **attn)
-            return out[None], (k_pages, v_pages)
+            out, *cache = self._write_attend(q[0], k[0], v[0], *cache, **attn)
+            return out[None], tuple(cache)
         from jax.sharding import PartitionSpec as P
 
-        heads, pages, rep = P(None, "tensor", None), P("tensor", None, None, None), P()
+        heads, rep = P(None, "tensor", None), P()
+        specs = tuple(P("tensor", *([None] * (a.ndim - 1))) for a in cache)  # pages 4-D, scales 3-D
         fn = jax.shard_map(
             lambda meta, *a: meta._write_attend(*a, **attn),
             mesh=self.mesh,
-            in_specs=(rep, heads, heads, heads, pages, pages),
-            out_specs=(heads, pages, pages),
+            in_specs=(rep, heads, heads, heads, *specs),
+            out_specs=(heads, *specs),
             check_vma=False,
         )
-        out, k_pages, v_pages = fn(self, q[0], k[0], v[0], k_pages, v_pages)
-        return out[None], (k_pages, v_pages)
+        out, *cache = fn(self, q[0], k[0], v[0], *cache)
+        return out[None], tuple(cache)
 
-    def _write_attend(self, q, k, v, k_pages, v_pages, window=None, sm_scale=None):
-        """KV write then the kernel on one device's heads: q [T, Hq, hd], k/v [T, Hkv, hd] -> (out, pages)."""
+    def _write_attend(self, q, k, v, k_pages, v_pages, k_scales=None, v_scales=None, window=None, sm_scale=None):
+        """KV write then the kernel on one device's heads: q [T, Hq, hd], k/v [T, Hkv, hd] -> (out, *cache)."""
         from pallas_kernels.paged_attention import paged_attention
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
+        quantised = k_scales is not None
+        if quantised:
+            k, k_new_scales = quantize_kv(k, k_pages.dtype)
+            v, v_new_scales = quantize_kv(v, v_pages.dtype)
+            k_scales = write_scales(k_scales, k_new_scales, self.slot_mapping)
+            v_scales = write_scales(v_scales, v_new_scales, self.slot_mapping)
         k_pages = write_pages(k_pages, k, self.slot_mapping)
         v_pages = write_pages(v_pages, v, self.slot_mapping)
-        attn_args = dict(window=window, sm_scale=sm_scale)
+        attn_args = dict(window=window, sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales)
         if self.decode_only:
             out = paged_attention(
                 q, k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend, **attn_args
@@ -172,7 +181,7 @@ class PagedMeta:
                 backend=self.backend,
                 **attn_args,
             )
-        return out, k_pages, v_pages
+        return (out, k_pages, v_pages, k_scales, v_scales) if quantised else (out, k_pages, v_pages)
 
 
 def write_pages(pages: jax.Array, new_thd: jax.Array, slots_t: jax.Array) -> jax.Array:
@@ -186,8 +195,47 @@ def write_pages(pages: jax.Array, new_thd: jax.Array, slots_t: jax.Array) -> jax
     return jax.lax.optimization_barrier(flat.reshape(h, p, ps, hd))
 
 
+KV_QUANT_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}  # largest code of each format
+_MIN_KV_SCALE = 1e-12  # floor of a scale: an all-zero head gets codes 0 and a finite, non-zero scale
+
+
+def is_quantized_kv(dtype) -> bool:
+    return jnp.dtype(dtype) in KV_QUANT_MAX
+
+
+def quantize_kv(new_thd: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """New K or V [T, Hkv, hd] -> (codes [T, Hkv, hd] of `dtype`, scales [T, Hkv] float32): one scale per token per
+    head, absmax / 127 (int8) or absmax / 448 (fp8 e4m3), never zero; value = code * scale."""
+    dtype = jnp.dtype(dtype)
+    x = new_thd.astype(jnp.float32)
+    scales = jnp.maximum(jnp.max(jnp.abs(x), axis=-1) / KV_QUANT_MAX[dtype], _MIN_KV_SCALE)
+    y = x / scales[..., None]
+    if dtype == jnp.int8:
+        codes = jnp.clip(jnp.round(y), -127, 127).astype(jnp.int8)
+    else:
+        codes = jnp.clip(y, -448.0, 448.0).astype(dtype)
+    return codes, scales
+
+
+def write_scales(scales: jax.Array, new_th: jax.Array, slots_t: jax.Array) -> jax.Array:
+    """Scatters new per-token scales [T, Hkv] into scales [Hkv, P, ps] at flat slots [T]."""
+    h, p, ps = scales.shape
+    flat = scales.reshape(h, p * ps).at[:, slots_t].set(jnp.swapaxes(new_th, 0, 1).astype(scales.dtype))
+    return jax.lax.optimization_barrier(flat.reshape(h, p, ps))
+
+
 def init_paged_cache(
     num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype
-) -> list[tuple[jax.Array, jax.Array]]:
+) -> list[tuple[jax.Array, ...]]:
+    """Zeroed pages per layer: (k_pages, v_pages) [Hkv, P, ps, hd]; for int8 / float8_e4m3fn pages also
+    (k_scales, v_scales) [Hkv, P, ps] float32, initialised to 1 (a slot never written reads as 0, never 0 / 0)."""
     shape = (num_kv_heads, num_pages, page_size, head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    if not is_quantized_kv(dtype):
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    ones = functools.partial(jnp.ones, shape[:3], jnp.float32)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), ones(), ones()) for _ in range(num_layers)]
+
+
+def kv_bytes_per_token_head(head_dim: int, dtype) -> int:
+    """Bytes of one token of one KV head in K or V: hd codes, plus a float32 scale for quantised pages."""
+    return head_dim * jnp.dtype(dtype).itemsize + (4 if is_quantized_kv(dtype) else 0)

@@ -104,7 +104,8 @@ class CacheConfig:
         block_size: tokens per KV block; a power of two (the paged attention kernels require it).
         num_kv_blocks: blocks in the pool; None sizes the pool from free device memory.
         kv_cache_memory_fraction: share of free device memory for the pool, when num_kv_blocks is None.
-        kv_cache_dtype: "auto" (the model's dtype); "int8" and "fp8" are refused until the quantised cache lands.
+        kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8" (e4m3): quantised pages with one float32 scale
+            per token per KV head (model/kv.py), about half the bytes of bf16 pages.
     """
 
     block_size: int = 16
@@ -125,8 +126,6 @@ class CacheConfig:
             "in (0, 1]",
         )
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if self.kv_cache_dtype != "auto":
-            _not_supported_yet("kv_cache_dtype", self.kv_cache_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,18 +208,28 @@ class SpeculativeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
-    """Weight (and activation) quantisation (refused until it lands).
+    """Weight (and activation) quantisation, done at load (serving/engine/quantize.py).
 
     Attributes:
-        method: None (the checkpoint's dtype), or one of QUANTIZATIONS.
+        method: None (the checkpoint's dtype, or the checkpoint's own quantised format), or one of QUANTIZATIONS.
+        calibration_file: text whose activations calibrate AWQ / GPTQ / SmoothQuant / static fp8 (None: a small
+            built-in text); round-to-nearest methods need none.
     """
 
     method: str | None = None
+    calibration_file: str | None = None
 
     def __post_init__(self):
         if self.method is not None:
             _check_choice("quantization", self.method, QUANTIZATIONS)
-            _not_supported_yet("quantization", self.method)
+        if self.calibration_file is not None:
+            _check(
+                isinstance(self.calibration_file, str) and self.calibration_file,
+                "calibration_file",
+                self.calibration_file,
+                "a path to a text file",
+            )
+            _check(self.method is not None, "calibration_file", self.calibration_file, "given with quantization")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +283,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "speculative_batch_threshold": ("speculative", "speculative_batch_threshold"),
     "speculative_draft_layers": ("speculative", "speculative_draft_layers"),
     "quantization": ("quantization", "method"),
+    "calibration_file": ("quantization", "calibration_file"),
     "attention_backend": ("runtime", "attention_backend"),
     "warmup": ("runtime", "warmup"),
     "compilation_cache_dir": ("runtime", "compilation_cache_dir"),

@@ -20,7 +20,6 @@ from serving.config import (
     DEFAULT_COMPILATION_CACHE_DIR,
     DEFAULT_MODEL_NAME,
     FLAT_OPTIONS,
-    QUANTIZATIONS,
     EngineConfig,
     ModelOptions,
     ServerConfig,
@@ -60,6 +59,7 @@ REFUSED = dict(
     speculative_batch_threshold=4,  # refused alone: it needs a method
     speculative_draft_layers=4,  # refused alone: it needs method "self"
     quantization="int8",
+    calibration_file="calib.txt",  # refused alone: it needs a quantization
 )
 
 
@@ -121,58 +121,9 @@ def test_unknown_option_is_named_with_a_suggestion():
 
 @pytest.mark.parametrize(
     "option,value",
-    [
-        ("dtype", "float64"),
-        ("max_model_len", 1),
-        ("max_model_len", "512"),
-        ("block_size", 0),
-        ("block_size", 24),  # the paged kernels need a power of two
-        ("num_kv_blocks", 1),
-        ("kv_cache_memory_fraction", 0.0),
-        ("kv_cache_memory_fraction", 1.5),
-        ("kv_cache_dtype", "int4"),
-        ("max_num_seqs", 0),
-        ("max_num_batched_tokens", 0),
-        ("enable_prefix_caching", "yes"),
-        ("policy", "lifo"),
-        ("decode_steps", 0),
-        ("async_scheduling", 1),
-        ("tensor_parallel_size", 0),
-        ("data_parallel_size", 1.5),
-        ("speculative_method", "eagle"),
-        ("quantization", "nf4"),
-        ("attention_backend", "cuda"),
-        ("warmup", "auto"),
-        ("compilation_cache_dir", None),
-        ("model", 3),
-    ],
-)
-def test_bad_values_name_the_option(option, value):
-    with pytest.raises(ValueError, match=option):
-        EngineConfig.from_kwargs(**{option: value})
-
-
-@pytest.mark.parametrize(
-    "kwargs,needle",
-    [
-        (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens=32 is below max_num_seqs=64"),
-        (dict(num_kv_blocks=4, block_size=16, max_model_len=64), "num_kv_blocks=4"),
-        (dict(num_speculative_tokens=3), "num_speculative_tokens needs speculative_method"),
-        (dict(speculative_batch_threshold=3), "speculative_batch_threshold needs speculative_method"),
-        (dict(speculative_model="d.gguf"), "speculative_model"),
-    ],
-)
-def test_contradictions_are_refused(kwargs, needle):
-    with pytest.raises(ValueError, match=needle):
-        EngineConfig.from_kwargs(**kwargs)
-
-
-@pytest.mark.parametrize(
-    "option,value",
-    [("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp8")]
-    + [("quantization", q) for q in QUANTIZATIONS]
-    + [("speculative_method", "medusa")]  # ngram, draft and self are built (tests/test_spec_engine.py)
-    + [(f"{p}_parallel_size", 2) for p in ("data", "pipeline")],  # tensor / expert: tests/test_parallel_engine.py
+    # kv_cache_dtype and quantization are built (tests/test_quant_engine.py); ngram, draft and self speculation too
+    # (tests/test_spec_engine.py); tensor / expert parallel: tests/test_parallel_engine.py
+    [("speculative_method", "medusa")] + [(f"{p}_parallel_size", 2) for p in ("data", "pipeline")],
 )
 def test_features_not_built_yet_are_refused(option, value):
     extra = dict(num_speculative_tokens=2) if option == "speculative_method" else {}

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.kv import PagedMeta, init_paged_cache
+from model.kv import PagedMeta, init_paged_cache, kv_bytes_per_token_head
 from model.quant import QuantizedArray
 from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
@@ -84,8 +84,9 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def kv_bytes_per_block(model: Transformer, block_size: int, dtype) -> int:
+    """Bytes of one block over all layers, K and V: pages plus, for int8 / fp8 pages, their float32 scales."""
     cfg = model.cfg
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * kv_bytes_per_token_head(cfg.head_dim, dtype)
 
 
 def _host_free_bytes() -> int | None:
@@ -464,7 +465,7 @@ class ModelRunner:
         return LoopHandle(out_tok, out_lp, len(rows), row_limits[: len(rows)].copy())
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write: page dst := page src in every layer."""
+        """Copy-on-write: page dst := page src in every layer (with its scales, for quantised pages)."""
         if not pairs:
             return
         # Pad to a power of two with null-page self-copies (page 0 -> page 0) so the copy compiles once per bucket.
@@ -488,7 +489,8 @@ def _add(a, b):
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _copy_pages(kv, src, dst):
-    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv]
+    """Every array of every layer (pages, and the scales of quantised pages): block dst := block src."""
+    return [tuple(a.at[:, dst].set(a[:, src]) for a in layer) for layer in kv]
 
 
 def pad_sampling(st: SamplingTensors, s: int) -> SamplingTensors:
