@@ -256,6 +256,38 @@ def test_dead_end_finishes_with_an_error(llm):
     assert out.finish_reason == "error" and "dead end" in out.finish_message
 
 
+def test_bitmask_rows_and_dead_ends(llm):
+    """Masks of a mixed batch (no model run): constrained rows follow their grammar, others and padding all ones;
+    a row whose grammar allows only EOS while min_tokens bans it is a dead end; a refused token is an error."""
+    from serving.core.request import Request
+
+    so = llm.engine.structured
+    tok = llm.tokenizer
+    eos = llm.engine.eos_token_ids
+    done = Request("done", [1], _greedy(8, Constraint.choice(["yes"]), min_tokens=4))
+    fresh = Request("fresh", [1], _greedy(8, Constraint("regex", "[0-9]+")))
+    plain = Request("plain", [1], _greedy(8))
+    for r in (done, fresh):
+        so.add(r.request_id, r.sampling_params.constraint)
+    try:
+        assert so.advance(done, tok.encode("yes")) is not None  # complete before min_tokens: not 'stop'
+        banned = np.full((4, 8), -1, np.int32)
+        banned[0, : len(eos)] = eos
+        mask, dead = so.bitmask([done, fresh, plain], 4, banned)
+        allowed = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, : so.vocab_size].astype(bool)
+        assert sorted(np.nonzero(allowed[0])[0].tolist()) == sorted(eos)  # the grammar allows only EOS now
+        assert list(dead) == ["done"] and "dead end" in dead["done"]
+        digits = [t for t in np.nonzero(allowed[1])[0].tolist()[:200] if t not in eos]
+        assert digits and all(tok.decode([t]).isdigit() for t in digits)
+        assert not any(allowed[1, t] for t in eos)  # nothing generated yet: the regex does not accept
+        assert allowed[2].all() and allowed[3].all()
+        letter = tok.encode("x")
+        assert "refused" in so.advance(fresh, letter)
+    finally:
+        so.remove("done")
+        so.remove("fresh")
+
+
 # HTTP server with the official openai client ------------------------------------------------------------------
 
 

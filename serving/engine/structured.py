@@ -144,7 +144,10 @@ class StructuredOutputs:
         if not rows:
             return None, {}
         mask = np.full((s, self.num_words), -1, np.int32)
-        _llguidance().numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
+        if len(rows) == 1:  # no thread pool for one row (its idle workers would compete with the device's threads)
+            _llguidance().numpy.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
+        else:
+            _llguidance().numpy.fill_next_token_bitmask_par(self._executor, rows, mask)
         dead = {}
         for matcher, i in rows:
             message = self._dead_end(matcher, mask[i], banned[i], reqs[i])
@@ -174,7 +177,8 @@ class StructuredOutputs:
             return None
         for t in token_ids:
             if not matcher.consume_token(int(t)):
-                return f"structured output failed: token {int(t)} refused ({matcher.get_error().strip()})"
+                reason = matcher.get_error().split("\n<state>", 1)[0].strip()  # without llguidance's state dump
+                return f"structured output failed: token {int(t)} refused ({reason})"
         if not matcher.is_stopped():
             return None
         if req.num_output_tokens < req.sampling_params.min_tokens:
