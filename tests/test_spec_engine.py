@@ -150,6 +150,8 @@ def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(llm, 
         tracks, most = _run(
             engine, [(p, SamplingParams(max_tokens=m, temperature=0.0)) for p, m in zip(prompts, MAX_TOKENS)]
         )
+        assert engine.step() == []  # an idle step releases the state kept for finished requests
+    assert not spec.policy.tracked and not getattr(spec.proposer, "tracked", set())
     for i, t in enumerate(tracks):
         assert t.request.output_token_ids == reference[i], f"{name}: request {i}"
     m = spec.counters.as_dict()

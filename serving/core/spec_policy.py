@@ -177,6 +177,11 @@ class SpecPolicy:
     def release(self, request_id: Hashable) -> None:
         self._stats.pop(request_id, None)
 
+    @property
+    def tracked(self) -> set:
+        """Requests with acceptance state (the engine releases those that left)."""
+        return set(self._stats)
+
     def metrics(self) -> dict[str, float]:
         """Totals for /metrics: passes with drafts, drafted and accepted tokens, acceptance, emitted per pass."""
         return dict(

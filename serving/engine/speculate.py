@@ -112,6 +112,7 @@ class SpecDecoder:
 
     def before_schedule(self) -> None:
         """Sets each running decode row's spec_token_ids: drafts (host proposer) or k placeholders."""
+        self._release_departed()
         running = [r for r in self.scheduler.running if r.status is RequestStatus.RUNNING]
         for r in running:
             r.spec_token_ids = []  # last step's, if the scheduler did not reach the row
@@ -165,7 +166,6 @@ class SpecDecoder:
             )
             sampled[sr.request_id] = self._trim_at_stop(sr.request, emitted)
         self.num_verify_steps += 1
-        self._release_departed()
         return sampled, logprobs
 
     def _sample_plain(self, out: SchedulerOutput, logits, first: np.ndarray):
@@ -219,10 +219,12 @@ class SpecDecoder:
         return emitted
 
     def _release_departed(self) -> None:
-        tracked = getattr(self.proposer, "tracked", None)
-        if tracked:
-            for rid in tracked - set(self.scheduler.requests):
-                self.proposer.release(rid)
+        """Drops the policy's and the proposer's state of requests that left (finished or aborted)."""
+        live = set(self.scheduler.requests)
+        for rid in self.policy.tracked - live:
+            self.policy.release(rid)
+        for rid in getattr(self.proposer, "tracked", set()) - live:
+            self.proposer.release(rid)
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """Per method: passes, drafted, accepted, emitted, acceptance_rate, mean_emitted_per_pass."""
