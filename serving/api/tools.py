@@ -5,8 +5,8 @@ which checkpoints/tokenizer.py teaches templates that have no tool support) pars
     response:    content 'Let me look.', tool_calls [{id, type: function, function: {name, arguments: '{"city"...'}}]
 
 A block that is not a JSON object with a string `name` is left in the content (the model did not make a valid
-call). `tool_choice` "required" or a named function needs constrained decoding, which the server does not have
-yet: handlers.py refuses them with a 400.
+call). `tool_choice` "required" or a named function is enforced by a grammar of these blocks
+(serving/api/guided.py), so the call is always valid.
 """
 
 from __future__ import annotations
