@@ -7,12 +7,16 @@ baseline ("unquantised"). Text not written here: prose = licence texts in /usr/s
 standard-library sources. Calibration and evaluation use different files (held-out split). Every projection of
 every layer (q, k, v, o, gate, up, down) is replaced by a QuantizedArray and runs through model.quant.matmul; the
 embedding and LM head stay float. Calibration inputs of each projection are recorded from the float model
-(not re-collected after earlier layers are quantised).
+(not re-collected after earlier layers are quantised). Rows kv_int8 / kv_fp8 keep the float weights and quantise
+K and V per token per head as the engine's int8 / fp8 pages do (model/kv.py quantize_kv; QuantizedKVNoCache).
+
+    PYTHONPATH=. python3 benchmarks/quant_quality.py --methods kv_int8,kv_fp8 --out benchmarks/results/quant_quality_kv.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -66,10 +70,34 @@ def patch_door(recorder=None):
     layers.matmul = transformer.matmul = quant.matmul if recorder is None else door
 
 
-def forward(model, tokens_bt):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedKVNoCache(kv.NoCache):
+    """Scoring with the engine's quantised KV numerics: each token's K and V are quantised per token per head
+    exactly as model/kv.py writes them into int8 / fp8 pages (quantize_kv), and attention reads code * scale."""
+
+    kv_dtype: str = dataclasses.field(default="int8", metadata=dict(static=True))
+
+    def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None):
+        dtype = KV_DTYPES[self.kv_dtype]
+
+        def roundtrip(x):
+            codes, scales = kv.quantize_kv(x[0], dtype)
+            return (codes.astype(jnp.float32) * scales[..., None])[None].astype(x.dtype)
+
+        return super().attend(q, roundtrip(k), roundtrip(v), positions, cache, window=window, sm_scale=sm_scale)
+
+
+KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+KV_METHODS = {"kv_int8": "int8", "kv_fp8": "fp8"}  # float weights, quantised KV
+
+
+def forward(model, tokens_bt, kv_dtype=None):
     b, t = tokens_bt.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    logits, _ = model(jnp.asarray(tokens_bt), positions, None, kv.NoCache(jnp.full((b,), t)))
+    valid = jnp.full((b,), t)
+    meta = kv.NoCache(valid) if kv_dtype is None else QuantizedKVNoCache(valid, kv_dtype)
+    logits, _ = model(jnp.asarray(tokens_bt), positions, None, meta)
     return logits
 
 
@@ -110,10 +138,12 @@ def quantised_params(params, calib, method):
     return out
 
 
-def score(model, eval_bt, base_logprobs=None):
+def score(model, eval_bt, base_logprobs=None, kv_dtype=None):
     """Mean NLL of next tokens, and (against base log-probs) mean KL(base || this) and top-1 agreement."""
     graphdef, state = nnx.split(model)
-    jitted = jax.jit(lambda state, tokens: jax.nn.log_softmax(forward(nnx.merge(graphdef, state), tokens), axis=-1))
+    jitted = jax.jit(
+        lambda state, tokens: jax.nn.log_softmax(forward(nnx.merge(graphdef, state), tokens, kv_dtype), axis=-1)
+    )
 
     def run(tokens):
         return jitted(state, tokens)
@@ -141,7 +171,7 @@ def main(argv=None):
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--eval_seqs", type=int, default=4)
     parser.add_argument("--calib_seqs", type=int, default=2)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join([*METHODS, *KV_METHODS]))
     parser.add_argument("--group_size", type=int, default=64)
     args = parser.parse_args(argv)
     GROUP["group_size"] = args.group_size
@@ -169,10 +199,14 @@ def main(argv=None):
         print(f"float      {domain:6s} ppl {r['ppl']:.4f}", flush=True)
     for method in args.methods.split(","):
         start = time.time()
-        qmodel = transformer.build_model(ckpt.config, quantised_params(params, calib, method), jnp.float32)
+        kv_dtype = KV_METHODS.get(method)
+        if kv_dtype is None:
+            qmodel = transformer.build_model(ckpt.config, quantised_params(params, calib, method), jnp.float32)
+        else:
+            qmodel = model
         quant_s = time.time() - start
         for domain, eval_bt in evals.items():
-            r, _ = score(qmodel, eval_bt, base[domain])
+            r, _ = score(qmodel, eval_bt, base[domain], kv_dtype)
             ref = next(x["ppl"] for x in result["rows"] if x["method"] == "float" and x["domain"] == domain)
             r |= dict(ppl_delta_pct=100.0 * (r["ppl"] / ref - 1.0), quantise_s=quant_s)
             result["rows"].append(dict(method=method, domain=domain, **r))

@@ -217,20 +217,45 @@ def _load_tensor(tensor, name: str, config: ModelConfig) -> np.ndarray:
     return w
 
 
+_LINEAR_LEAVES = frozenset(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"))
+
+
+def _load_quantized(tensor, name: str, config: ModelConfig):
+    """One Q8_0 / Q4_0 / Q4_1 linear weight as a QuantizedArray [in, out], codes kept (checkpoints/gguf_quant.py)."""
+    from checkpoints.gguf_quant import to_quantized
+
+    leaf = name.rsplit(".", 1)[-1]
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads}.get(leaf) if not config.is_gemma else None
+    permute = None if heads is None else functools.partial(unpermute_rope_rows, num_heads=heads)
+    ne = tuple(int(n) for n in tensor.shape)
+    return to_quantized(tensor.data, tensor.tensor_type.name, ne, permute)
+
+
+def _keeps_quantized(tensor, name: str) -> bool:
+    from checkpoints.gguf_quant import QUANTIZED_TYPES
+
+    leaf = name.rsplit(".", 1)[-1]
+    return tensor.tensor_type.name in QUANTIZED_TYPES and leaf in _LINEAR_LEAVES and len(tensor.shape) == 2
+
+
 def _canonical_shape(tensor, name: str) -> tuple[int, ...]:
     """The canonical shape of a tensor from its ggml dims (ne0 = row length first), without reading data."""
     ne = tuple(int(n) for n in tensor.shape)
     return ne if len(ne) == 2 and name != "embed" else ne[::-1]
 
 
-def lazy_params(reader, config: ModelConfig, progress: Callable[[int, int, str], None] | None = None) -> LazyParams:
-    """The canonical params as a LazyParams: each tensor is dequantised only when read; shapes checked up front."""
+def lazy_params(
+    reader, config: ModelConfig, progress: Callable[[int, int, str], None] | None = None, *, quantized: bool = False
+) -> LazyParams:
+    """The canonical params as a LazyParams: each tensor is dequantised only when read; shapes checked up front.
+    `quantized`: Q8_0 / Q4_0 / Q4_1 linear weights come as QuantizedArray (int8 / int4 group 32), not dequantised."""
     loaders, shapes = {}, {}
     for tensor in reader.tensors:
         name = _canonical_name(tensor.name)
         if name is None:
             continue  # rope_freqs and other derived tensors are recomputed.
-        loaders[name] = functools.partial(_load_tensor, tensor, name, config)
+        load = _load_quantized if quantized and _keeps_quantized(tensor, name) else _load_tensor
+        loaders[name] = functools.partial(load, tensor, name, config)
         shapes[name] = _canonical_shape(tensor, name)
     params = LazyParams(loaders, shapes, progress)
     check_params(params, config)
@@ -318,7 +343,7 @@ def eos_ids_from_vocab(meta: GGUFMetadata) -> tuple[int, ...]:
 
 
 def load_gguf(
-    path: str, progress: Callable[[int, int, str], None] | None = None, *, lazy: bool = False
+    path: str, progress: Callable[[int, int, str], None] | None = None, *, lazy: bool = False, quantized: bool = False
 ) -> tuple[ModelConfig, Mapping[str, np.ndarray], GGUFMetadata]:
     """Loads a GGUF file.
 
@@ -327,6 +352,7 @@ def load_gguf(
         progress: optional callback (done, total, tensor_name) for long loads.
         lazy: return a LazyParams (each tensor dequantised when read, the file stays memory-mapped) instead of
             a dict holding every tensor in float32.
+        quantized: keep Q8_0 / Q4_0 / Q4_1 linear weights quantised (QuantizedArray; checkpoints/gguf_quant.py).
 
     Returns:
         (config, canonical float32 params, metadata for the tokenizer).
@@ -338,5 +364,5 @@ def load_gguf(
     reader = _open(path)
     meta = read_metadata(reader)
     config = config_from_metadata(reader, meta, eos_ids_from_vocab(meta))
-    params = lazy_params(reader, config, progress)
+    params = lazy_params(reader, config, progress, quantized=quantized)
     return config, (params if lazy else dict(params)), meta

@@ -5,6 +5,7 @@
 
 Formats (values dtype / scales shape for a logical [K, N] weight):
     "int8"       int8 [K, N]              scales float32 [N]           per output channel, symmetric
+                                          or [K // g, N] with group_size g > 0 (GGUF Q8_0: g = 32)
     "fp8"        float8_e4m3fn [K, N]     scales float32 [N] or []     per channel or per tensor
     "int4"       uint8 [K // 2, N]        scales float32 [K // g, N]   group-wise along K (g = group_size);
                  (two 4-bit codes a byte: row 2i in the low nibble, 2i+1 in the high)   zeros [K // g, N] or None
@@ -78,7 +79,10 @@ class QuantizedArray:
 
     def _dequantize_stored(self) -> jax.Array:
         if self.fmt in ("int8", "fp8"):
-            return self.values.astype(jnp.float32) * self.scales.astype(jnp.float32)
+            scales = self.scales.astype(jnp.float32)
+            if self.group_size and scales.ndim == 2:  # grouped int8 (GGUF Q8_0)
+                scales = jnp.repeat(scales, self.group_size, axis=0)
+            return self.values.astype(jnp.float32) * scales
         lo = (self.values & 0xF).astype(jnp.float32)
         hi = (self.values >> 4).astype(jnp.float32)
         k2, n = self.values.shape
@@ -160,7 +164,8 @@ def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.A
         x = _prepare_input(x, w)
         w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)
     fmt = w.fmt if isinstance(w, QuantizedArray) else ("bf16" if w.dtype == jnp.bfloat16 else "")
-    if fmt and out_dtype == x.dtype and use_kernel(fmt, rows, w.shape[-1], x.dtype):
+    grouped8 = isinstance(w, QuantizedArray) and fmt != "int4" and w.group_size  # no kernel for grouped int8
+    if fmt and not grouped8 and out_dtype == x.dtype and use_kernel(fmt, rows, w.shape[-1], x.dtype):
         if fmt == "bf16":
             return _kernel_matmul(x, w, None, None, "bf16", 0)
         return _kernel_matmul(x, w.values, w.scales, w.zeros, w.fmt, w.group_size)
