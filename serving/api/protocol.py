@@ -4,7 +4,9 @@ Requests are strict pydantic models: unknown top-level fields, NaN/Infinity, val
 wrong JSON types (`"stream": "yes"`, a float token id) are refused with a 400 naming the field, never coerced or
 dropped. Their JSON schema is what /openapi.json publishes and what the fuzz test explores. Extensions beyond
 OpenAI use vLLM's names (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, and
-`prompt_token_ids` on chat: token ids sent instead of `messages`, used as the whole prompt, no template applied).
+`prompt_token_ids` on chat: token ids sent instead of `messages`, used as the whole prompt, no template applied;
+structured output through `response_format` or guided_json / guided_regex / guided_grammar / guided_choice, turned
+into an engine Constraint by serving/api/guided.py).
 """
 
 from __future__ import annotations
