@@ -184,6 +184,11 @@ class PagedAttentionTestBase:
         out, ref = self.run_case(lengths=lengths, group=4, page_size=page_size, config=config, window=window)
         assert rel_err(out, ref) < 1e-4
 
+    def test_sliding_window_quantised_pages(self):
+        config = pa.PagedAttentionConfig(block_tokens=32, num_splits=2)
+        out, ref = self.run_case(lengths=[1, 40, 300], group=4, page_size=16, dtype=jnp.int8, config=config, window=33)
+        assert rel_err(out, ref) < 2e-2
+
 
 class TestPagedAttentionInterpret(PagedAttentionTestBase):
     backend = "interpret"
