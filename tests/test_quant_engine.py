@@ -229,3 +229,23 @@ def test_int4_group_and_bad_options():
         EngineConfig.from_kwargs(quantization="nf4")
     with pytest.raises(ValueError, match="calibration_file"):
         quantize_model(random_model(CFG, jnp.float32), "int4_awq", None, calibration_file="/nonexistent")
+
+
+def test_quality_benchmark_kv_numerics_match_the_engine(int8_llm):
+    """benchmarks/quant_quality.py scores kv_int8 with QuantizedKVNoCache: the engine's int8-KV log-probs."""
+    from benchmarks.quant_quality import forward
+
+    prompt = PROMPTS[1]
+    out = int8_llm.generate([prompt], max_tokens=8, logprobs=0)[0]
+    seq = np.asarray([prompt + out.token_ids], np.int32)
+    model = random_model(CFG, jnp.float32, seed=3)
+    n = len(prompt)
+    for kv_dtype, tol in (("int8", 2e-4), (None, None)):
+        lp = np.asarray(jax.nn.log_softmax(forward(model, seq, kv_dtype)[0], axis=-1))
+        got = lp[np.arange(n - 1, seq.shape[1] - 1), seq[0, n:]]
+        err = np.abs(got - np.asarray(out.logprobs)).max()
+        if tol is not None:
+            assert err < tol, err
+            quant_err = err
+        else:
+            assert err > 10 * quant_err  # float KV differs visibly: the check above can fail
