@@ -12,6 +12,7 @@ a constraint that does not compile is refused there with a 400 naming the reason
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -87,3 +88,15 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice, parallel: bool | N
         f"body: %json {json.dumps(schema)}\n"
     )
     return Constraint("grammar", lark)
+
+
+async def precompile(llm, params) -> None:
+    """Compiles the request's constraint on a worker thread (the engine thread then finds it in its cache, so a
+    large grammar never stalls other requests' steps); a constraint that does not compile is a 400 here."""
+    structured = getattr(getattr(llm, "engine", None), "structured", None)
+    if params.constraint is None or structured is None:
+        return
+    try:
+        await asyncio.to_thread(structured.compile, params.constraint)
+    except ValueError as e:
+        raise OpenAIError(400, str(e)) from e

@@ -41,7 +41,7 @@ from serving.api.formats import (
     num_tokens,
     prompt_logprobs,
 )
-from serving.api.guided import body_constraint, tool_constraint
+from serving.api.guided import body_constraint, precompile, tool_constraint
 from serving.api.metrics import ServerMetrics
 from serving.api.protocol import (
     ChatCompletionRequest,
@@ -186,6 +186,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     ranked = n_seq > body.n  # best_of: the sampled tokens' logprobs rank the candidates
     logprobs = max(body.logprobs or 0, 0) if ranked else body.logprobs
     params = body.sampling_params(max_tokens, logprobs, llm.config.vocab_size, body_constraint(body)[0])
+    await precompile(llm, params)
     choices, specs = _fan_out(rid, prompts, params, n_seq)
     stream = await _submit(state, specs)
     if body.stream:
@@ -274,6 +275,7 @@ async def chat(state: ServerState, body: ChatCompletionRequest, request: Request
         max_tokens, (body.top_logprobs or 0) if body.logprobs else None, llm.config.vocab_size, constraint
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    await precompile(llm, params)
     choices, specs = _fan_out(rid, [(text, ids)], params, body.n)
     stream = await _submit(state, specs)
     fmt = ChatFormat(rid, state.model_name, llm.tokenizer.token_text, parse_tools=use_tools)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -80,15 +81,17 @@ class StructuredOutputs:
         self._cache: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
         self._cache_size = cache_size
         self._matchers: dict[str, object] = {}
+        self._lock = threading.Lock()  # the server compiles on worker threads too (serving/api/guided.py)
         self.num_compiled = 0
 
     @functools.cached_property
     def ll_tokenizer(self):
         """llguidance's view of the vocabulary (built once, about a second for a 49k vocabulary)."""
         llg = _llguidance()
-        return llg.LLTokenizer(
-            tokenizer_json(self._tokenizer), n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
-        )
+        with self._lock:
+            return llg.LLTokenizer(
+                tokenizer_json(self._tokenizer), n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
+            )
 
     @functools.cached_property
     def _executor(self):
@@ -97,22 +100,28 @@ class StructuredOutputs:
     # Requests ----------------------------------------------------------------------------------------------------
 
     def compile(self, c: Constraint):
-        """The compiled matcher of a constraint (cached; callers deep-copy it). Raises ValueError if it fails."""
-        template = self._cache.get(c)
-        if template is None:
-            llg = _llguidance()
-            try:
-                text = grammar_text(c)
-            except ValueError as e:
-                raise ValueError(f"constraint {c.kind} does not compile: {e}") from None
-            template = llg.LLMatcher(self.ll_tokenizer, text, log_level=0)
-            if template.is_error():
-                raise ValueError(f"constraint {c.kind} does not compile: {template.get_error().strip()}")
+        """The compiled matcher of a constraint (cached; callers deep-copy it). Raises ValueError if it fails.
+
+        Thread-safe: the server compiles a request's constraint on a worker thread before submitting it, so the
+        engine thread finds it cached (a large grammar can take a second to compile)."""
+        with self._lock:
+            template = self._cache.get(c)
+            if template is not None:
+                self._cache.move_to_end(c)
+                return template
+        llg = _llguidance()
+        try:
+            text = grammar_text(c)
+        except ValueError as e:
+            raise ValueError(f"constraint {c.kind} does not compile: {e}") from None
+        template = llg.LLMatcher(self.ll_tokenizer, text, log_level=0)  # releases the GIL while it compiles
+        if template.is_error():
+            raise ValueError(f"constraint {c.kind} does not compile: {template.get_error().strip()}")
+        with self._lock:
             self.num_compiled += 1
             self._cache[c] = template
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        self._cache.move_to_end(c)
         return template
 
     def add(self, request_id: str, c: Constraint) -> None:
