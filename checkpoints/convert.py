@@ -1,7 +1,7 @@
 """Converts a GGUF file or an HF safetensors directory into an Orbax checkpoint (checkpoints/orbax_io.py).
 
     python -m checkpoints.convert --src model.gguf --dst /ckpt/model [--dtype bfloat16] [--overwrite]
-        [--mesh tp=4,pp=2]
+        [--mesh tp=4,pp=2] [--quantize int4_awq --calibration_file text.txt]
 
 Load (per-tensor progress on stderr) -> cast each tensor to --dtype in place (progress again) -> orbax save with
 config.json and the tokenizer files. Errors in flags or paths print one `convert: error: ...` line and exit 1.
@@ -12,6 +12,10 @@ goes from the host straight into its NamedSharding of sharding/rules.py, one ten
 every shard from the device that holds it. `orbax_io.restore(dst, mesh=other)` reshards on read: each device
 reads only the byte ranges of its own shards, so a checkpoint saved at tp=4 restores at tp=2 (or on one device)
 without the model ever existing whole on one device. The pipeline axis splits nothing yet (layers replicated).
+
+--quantize FORMAT (serving/config.py QUANTIZATIONS) quantises every linear projection as `LLM(quantization=...)`
+does at load (serving/engine/quantize.py; calibrated methods read --calibration_file, default a built-in text) and
+stores the QuantizedArrays (orbax_io: quantization.json + their arrays), so loading the result re-quantises nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +42,20 @@ _DTYPE = flags.DEFINE_enum(
 )
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace an existing Orbax checkpoint at --dst")
 _MESH = flags.DEFINE_string("mesh", None, "shard the saved arrays for this mesh, e.g. tp=4,pp=2 (dp/tp/pp/ep)")
+_QUANTIZE = flags.DEFINE_string("quantize", None, "store quantised weights: int8, fp8, w8a8_*, int4_rtn/awq/gptq")
+_CALIBRATION = flags.DEFINE_string("calibration_file", None, "calibration text for --quantize (default: built in)")
+
+
+def _quantize(config, params, tokenizer, method: str, calibration_file: str | None, dtype) -> dict:
+    """The params with every linear projection a QuantizedArray of `method` (serving/engine/quantize.py)."""
+    from model.quant import QuantizedArray
+    from model.transformer import build_model, model_params
+    from serving.engine.quantize import quantize_model
+
+    model = build_model(config, params, jnp.float32 if dtype is None else dtype)
+    names = quantize_model(model, method, tokenizer, calibration_file=calibration_file)
+    sys.stderr.write(f"quantised {len(names)} projections to {method}\n")
+    return {k: v if isinstance(v, QuantizedArray) else np.asarray(v) for k, v in model_params(model).items()}
 
 
 def parse_mesh(spec: str):
@@ -103,9 +121,17 @@ def _load(src: str, dtype: Any) -> tuple[Any, dict[str, np.ndarray], Any]:
     return checkpoint.config, checkpoint.params, checkpoint.tokenizer
 
 
-def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False, mesh: str | None = None) -> None:
+def convert(
+    src: str,
+    dst: str,
+    dtype: str = "auto",
+    overwrite: bool = False,
+    mesh: str | None = None,
+    quantize: str | None = None,
+    calibration_file: str | None = None,
+) -> None:
     """Loads `src` and writes an Orbax checkpoint with config and tokenizer at `dst` (sharded for `mesh`, e.g.
-    "tp=4,pp=2", when given).
+    "tp=4,pp=2", when given; weights quantised by `quantize`, e.g. "int4_awq", when given).
 
     Raises:
         FileNotFoundError, FileExistsError, ValueError: bad source or destination (messages name the path).
@@ -119,12 +145,15 @@ def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False, me
     cast = None if dtype == "auto" else jnp.dtype(dtype)
     if mesh is not None:
         parse_mesh(mesh)  # a bad --mesh fails before the (long) load
+    _check_quantize(quantize, calibration_file, mesh)
     config, params, tokenizer = _load(src, cast)
     if cast is not None:
         progress = Progress(f"casting to {dtype}")
         for i, name in enumerate(list(params)):
             params[name] = np.asarray(params[name]).astype(cast, copy=False)  # One tensor at a time: peak memory.
             progress(i + 1, len(params), name)
+    if quantize is not None:
+        params = _quantize(config, params, tokenizer, quantize, calibration_file, cast)
     if mesh is not None:
         params = _shard(config, params, mesh)
     size_gb = sum(p.nbytes for p in params.values()) / 1e9
@@ -137,6 +166,19 @@ def convert(src: str, dst: str, dtype: str = "auto", overwrite: bool = False, me
     )
 
 
+def _check_quantize(quantize: str | None, calibration_file: str | None, mesh: str | None) -> None:
+    from serving.config import QUANTIZATIONS
+
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")
+    if calibration_file is not None and quantize is None:
+        raise ValueError("--calibration_file needs --quantize")
+    if calibration_file is not None and not os.path.isfile(calibration_file):
+        raise ValueError(f"--calibration_file {calibration_file!r} is not a file")
+    if quantize is not None and mesh is not None:
+        raise ValueError("--quantize with --mesh is not supported yet (quantised weights are stored unsharded)")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         sys.stderr.write(f"convert: error: unexpected arguments {argv[1:]}\n")
@@ -147,7 +189,9 @@ def main(argv: list[str]) -> int:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every step at INFO; keep stderr to progress.
     try:
-        convert(_SRC.value, _DST.value, _DTYPE.value, _OVERWRITE.value, _MESH.value)
+        convert(
+            _SRC.value, _DST.value, _DTYPE.value, _OVERWRITE.value, _MESH.value, _QUANTIZE.value, _CALIBRATION.value
+        )
     except (OSError, ValueError, RuntimeError) as e:  # Expected user errors: one line, no traceback.
         sys.stderr.write(f"convert: error: {e}\n")
         return 1

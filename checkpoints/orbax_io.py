@@ -7,6 +7,8 @@ Directory layout:
       params/                  orbax PyTree checkpoint of the flat canonical dict ("layers.0.wq": [D, Hq*hd], ...)
       tokenizer.json           } Tokenizer.save(), when the checkpoint has a tokenizer
       tokenizer_config.json    }
+      quantization.json        name -> {fmt, group_size, act_fmt, leaves, shape} of QuantizedArray weights, whose
+                               arrays are stored as "NAME.q_values", "NAME.q_scales", ... (absent: none quantised)
 
 Restoring with a mesh hands orbax one ArrayRestoreArgs per array carrying its NamedSharding from
 sharding/rules.py, so every host reads only the shards its devices hold; nothing is materialised on one device
@@ -17,6 +19,7 @@ all at once or, with `lazy=True`, one per access (a LazyParams, as the GGUF and 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -31,10 +34,14 @@ from jax.sharding import Mesh
 from checkpoints.gguf import check_params, expected_shapes
 from checkpoints.lazy import LazyParams
 from model.config import ModelConfig
+from model.quant import QuantizedArray
 from sharding.rules import param_shardings
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
+QUANT_FILE = "quantization.json"
+_QUANT_SEP = ".q_"
+_QUANT_LEAVES = ("values", "scales", "zeros", "pre_scale", "act_scale")
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 
 
@@ -83,12 +90,43 @@ def save(
     _clear(directory, overwrite)
     os.makedirs(directory, exist_ok=True)
     # Orbax writes to a temporary name and renames on commit, so a crash leaves no half-written params/.
-    ocp.PyTreeCheckpointer().save(os.path.join(directory, PARAMS_DIR), dict(params))
+    flat, quantized = _flatten_quantized(params)
+    ocp.PyTreeCheckpointer().save(os.path.join(directory, PARAMS_DIR), flat)
     if jax.process_index() == 0:
         with open(os.path.join(directory, CONFIG_FILE), "w") as f:
             f.write(config.to_json())
+        if quantized:
+            with open(os.path.join(directory, QUANT_FILE), "w") as f:
+                json.dump(quantized, f, indent=1, sort_keys=True)
         if tokenizer is not None:
             tokenizer.save(directory)
+
+
+def _flatten_quantized(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict]]:
+    """QuantizedArray values -> their arrays under "NAME.q_<leaf>" plus the static description of each."""
+    flat, quantized = {}, {}
+    for name, value in params.items():
+        if not isinstance(value, QuantizedArray):
+            flat[name] = value
+            continue
+        leaves = [leaf for leaf in _QUANT_LEAVES if getattr(value, leaf) is not None]
+        quantized[name] = dict(
+            fmt=value.fmt, group_size=value.group_size, act_fmt=value.act_fmt, leaves=leaves, shape=list(value.shape)
+        )
+        flat.update({name + _QUANT_SEP + leaf: getattr(value, leaf) for leaf in leaves})
+    return flat, quantized
+
+
+def _restore_quantized(checkpointer, params_dir: str, name: str, desc: dict) -> QuantizedArray:
+    """One QuantizedArray: its arrays in one partial restore (stored dtypes kept: codes, float32 scales)."""
+    keys = {leaf: name + _QUANT_SEP + leaf for leaf in desc["leaves"]}
+    args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys.values()}
+    restored = checkpointer.restore(
+        params_dir,
+        args=ocp.args.PyTreeRestore(item={k: 0 for k in keys.values()}, restore_args=args, partial_restore=True),
+    )
+    arrays = {leaf: jnp.asarray(restored[k]) for leaf, k in keys.items()}
+    return QuantizedArray(**arrays, fmt=desc["fmt"], group_size=desc["group_size"], act_fmt=desc["act_fmt"])
 
 
 def load_config(directory: str) -> ModelConfig:
@@ -106,18 +144,26 @@ def _restore_one(checkpointer, params_dir: str, name: str, dtype: Any) -> np.nda
     return restored[name]
 
 
-def _read_params(checkpointer, params_dir: str, stored, config: ModelConfig, mesh, dtype, lazy: bool):
-    """The arrays: lazily to the host, all to the host, or each into its NamedSharding on `mesh`."""
+def _read_params(checkpointer, params_dir: str, stored, config: ModelConfig, mesh, dtype, lazy: bool, quantized):
+    """The arrays: lazily to the host, all to the host, or each into its NamedSharding on `mesh`. `quantized`
+    weights come back as QuantizedArray (never cast; on the default device, as the runner replicates them)."""
     cast = None if dtype is None else jnp.dtype(dtype)
+    quant = {k: functools.partial(_restore_quantized, checkpointer, params_dir, k, d) for k, d in quantized.items()}
     if lazy and mesh is None:
-        loaders = {k: functools.partial(_restore_one, checkpointer, params_dir, k, cast) for k in stored}
-        return LazyParams(loaders, {k: tuple(m.shape) for k, m in stored.items()})
+        loaders = {k: functools.partial(_restore_one, checkpointer, params_dir, k, cast) for k in stored} | quant
+        shapes = {k: tuple(m.shape) for k, m in stored.items()} | {k: tuple(d["shape"]) for k, d in quantized.items()}
+        return LazyParams(loaders, shapes)
+    if not stored:
+        return {k: load() for k, load in quant.items()}
     if mesh is None:
         args = {k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast) for k in stored}
     else:
         shardings = param_shardings({k: tuple(m.shape) for k, m in stored.items()}, mesh, head_dim=config.head_dim)
         args = {k: ocp.ArrayRestoreArgs(sharding=shardings[k], dtype=cast) for k in stored}
-    return dict(checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=args)))
+    item = {k: 0 for k in stored}
+    restore_args = ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True) if quant else None
+    restored = checkpointer.restore(params_dir, args=restore_args or ocp.args.PyTreeRestore(restore_args=args))
+    return dict(restored) | {k: load() for k, load in quant.items()}
 
 
 def restore(
@@ -146,16 +192,18 @@ def restore(
     params_dir = os.path.join(directory, PARAMS_DIR)
     checkpointer = ocp.PyTreeCheckpointer()
     stored = checkpointer.metadata(params_dir).item_metadata.tree  # name -> ArrayMetadata (shape, dtype)
+    quantized = {}
+    if os.path.isfile(os.path.join(directory, QUANT_FILE)):
+        with open(os.path.join(directory, QUANT_FILE)) as f:
+            quantized = json.load(f)
+    stored = {k: m for k, m in stored.items() if k.split(_QUANT_SEP)[0] not in quantized}
+    shapes = {k: tuple(m.shape) for k, m in stored.items()} | {k: tuple(d["shape"]) for k, d in quantized.items()}
     expected = expected_shapes(config)
-    problems = sorted(set(expected) ^ set(stored))
-    problems += [
-        f"{k}: {tuple(m.shape)} != {expected[k]}"
-        for k, m in stored.items()
-        if k in expected and tuple(m.shape) != expected[k]
-    ]
+    problems = sorted(set(expected) ^ set(shapes))
+    problems += [f"{k}: {s} != {expected[k]}" for k, s in shapes.items() if k in expected and s != expected[k]]
     if problems:
         raise ValueError(f"{directory}: stored params do not match config.json: {problems[:8]}")
-    params = _read_params(checkpointer, params_dir, stored, config, mesh, dtype, lazy)
+    params = _read_params(checkpointer, params_dir, stored, config, mesh, dtype, lazy, quantized)
     tokenizer = None
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
         from checkpoints.tokenizer import Tokenizer
