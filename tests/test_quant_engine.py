@@ -249,3 +249,41 @@ def test_quality_benchmark_kv_numerics_match_the_engine(int8_llm):
             quant_err = err
         else:
             assert err > 10 * quant_err  # float KV differs visibly: the check above can fail
+
+
+TP_SCRIPT = r"""
+import jax.numpy as jnp, numpy as np
+from checkpoints.tokenizer import NullTokenizer
+from model.config import ModelConfig
+from model.transformer import random_model
+from serving.config import EngineConfig
+from serving.engine.engine import LLMEngine
+cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2)
+rng = np.random.default_rng(0)
+prompts = [rng.integers(3, 500, 21).tolist(), rng.integers(3, 500, 3).tolist()]
+options = dict(attention_backend="xla", max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks=48,
+               decode_steps=4, max_model_len=64, warmup=False, compilation_cache_dir="", kv_cache_dtype="int8")
+out = {}
+for tp in (1, 4):  # tp 4 > 2 KV heads: each head repeated, scales too
+    engine = LLMEngine(random_model(cfg, jnp.float32, seed=7), NullTokenizer(),
+                       EngineConfig.from_kwargs(**options, tensor_parallel_size=tp))
+    res = engine.generate([None] * 2, prompts, max_tokens=9, temperature=0.0, ignore_eos=True)
+    out[tp] = [list(r.token_ids) for r in res]
+    for layer in engine.runner.kv_cache:
+        assert len(layer) == 4 and all(a.sharding.shard_shape(a.shape)[0] == a.shape[0] // tp for a in layer)
+assert out[4] == out[1], out
+print("ok")
+"""
+
+
+def test_tensor_parallel_int8_kv_matches_one_device():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
