@@ -15,7 +15,7 @@ import pytest
 from model.config import ModelConfig
 from model.kv import PagedMeta, init_paged_cache, quantize_kv
 from model.quant import QuantizedArray
-from model.transformer import _param_slots, random_model
+from model.transformer import _param_slots, model_params, random_model
 from serving.config import QUANTIZATIONS, EngineConfig
 from serving.core.scheduler import Scheduler
 from serving.engine import runner as runner_mod
@@ -212,13 +212,21 @@ def test_quantize_model_every_method(method):
 
 
 def test_quantization_in_the_engine(float_out):
+    """LLM(quantization="int8"): the runner holds QuantizedArrays; update_weights with float weights re-quantises
+    them in the engine's layout (same output as a fresh quantised engine over the new weights)."""
+    from serving.engine.llm import LLM
+
     llm = _llm(quantization="int8")
-    params = llm.engine.runner.params
-    assert any(
-        isinstance(x, QuantizedArray) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedArray))
-    )
+    is_q = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    assert sum(map(is_q, jax.tree.leaves(llm.engine.runner.params, is_leaf=is_q))) == 7 * CFG.num_layers
     out = llm.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)
     assert out[0].token_ids[:4] == float_out[0].token_ids[:4]
+    new = random_model(CFG, jnp.float32, seed=9)
+    llm.update_weights(model_params(new))
+    assert sum(map(is_q, jax.tree.leaves(llm.engine.runner.params, is_leaf=is_q))) == 7 * CFG.num_layers
+    fresh = LLM.from_model(new, None, **(OPTS | dict(quantization="int8")))
+    want = fresh.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)[0].token_ids
+    assert llm.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)[0].token_ids == want != out[0].token_ids
 
 
 def test_int4_group_and_bad_options():
