@@ -474,3 +474,22 @@ def test_interpret_kernels_match_reference(llm, reference):
     tracks = run(eng, [(p, greedy(4)) for p in prompts])
     for t, p in zip(tracks, prompts):
         assert t.request.output_token_ids == reference[(tuple(p), None)][:4]
+
+
+def test_logit_bias_forces_and_bans_tokens(engine, reference):
+    """+100 on a token makes greedy decoding emit it every step; -100 on the greedy first token removes it; rows
+    without a bias in the same batch are unchanged."""
+    use_scheduler(engine, enable_prefix_caching=False)
+    prompt, other = MIXED_PROMPTS[4], MIXED_PROMPTS[7]
+    plain = run(engine, [(prompt, greedy(4)), (other, greedy(4))])
+    first = plain[0].request.output_token_ids[0]
+    forced = greedy(4, logit_bias=((42, 100.0),)).validate()
+    banned = greedy(4, logit_bias=((first, -100.0),)).validate()
+    tracks = run(engine, [(prompt, forced), (prompt, banned), (other, greedy(4))])
+    assert tracks[0].request.output_token_ids == [42] * 4
+    assert tracks[1].request.output_token_ids[0] != first
+    assert tracks[2].request.output_token_ids == plain[1].request.output_token_ids
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request(prompt, greedy(4, logit_bias=((10**7, 1.0),)))
+    with pytest.raises(ValueError, match="logit_bias"):
+        greedy(4, logit_bias=((5, 101.0),)).validate()

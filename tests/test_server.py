@@ -444,7 +444,7 @@ BAD = [
         400,
         "min_tokens",
     ),
-    ("logit_bias", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("logit_bias", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"x1": 5}}, 400, "logit_bias"),
     (
         "tools",
         "/v1/chat/completions",

@@ -176,8 +176,17 @@ def test_openai_chat_options_tools_and_errors(live):
     with pytest.raises(openai.BadRequestError, match="not in tools"):
         named = {"type": "function", "function": {"name": "nope"}}
         client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice=named)
+    # logit_bias: +100 on one token makes greedy decoding emit only it; -100 on the greedy token removes it.
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    first = llm.tokenizer.encode(plain.choices[0].text)[0]
+    forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"42": 100})
+    assert llm.tokenizer.encode(forced.choices[0].text) == [42, 42, 42]
+    banned = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(first): -100}
+    )
+    assert llm.tokenizer.encode(banned.choices[0].text)[0] != first
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"5": 2})
+        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"5": 101})
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt=PROMPT)
 

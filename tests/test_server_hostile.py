@@ -284,7 +284,8 @@ BAD = [
         _chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]),
         "tool_call_id",
     ),
-    ("logit_bias", "/v1/completions", _completion(logit_bias={"5": 3.0}), "logit_bias"),
+    ("logit_bias key", "/v1/completions", _completion(logit_bias={"five": 3.0}), "logit_bias"),
+    ("logit_bias value", "/v1/completions", _completion(logit_bias={"5": 300.0}), "logit_bias"),
     ("unknown field", "/v1/completions", _completion(frobnicate=1), "frobnicate"),
     (
         "tool_choice names no tool",

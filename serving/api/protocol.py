@@ -128,6 +128,19 @@ class _SamplingRequest(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    def _logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or not 0 <= int(key) < vocab_size:
+                raise OpenAIError(
+                    400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias"
+                )
+            if not -100 <= value <= 100:
+                raise OpenAIError(400, f"logit_bias values must be in [-100, 100], got {value!r}", param="logit_bias")
+            if value != 0:
+                pairs.append((int(key), float(value)))
+        return tuple(pairs)
+
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         for s in stops:
@@ -140,11 +153,10 @@ class _SamplingRequest(_Strict):
         """Engine parameters (OpenAI defaults: temperature 1, top_p 1); raises OpenAIError when invalid.
 
         Values the device would overflow on are normalised: top_k >= vocab_size is off, a temperature below
-        1e-5 is greedy (as in vLLM), and stop_token_ids must be vocabulary ids. A logit_bias whose values are all
-        0 changes nothing; any other is refused (the device sampler has no bias input yet).
+        1e-5 is greedy (as in vLLM), and stop_token_ids and logit_bias keys must be vocabulary ids (logit_bias
+        keys are token ids as strings, as in OpenAI's API; values in [-100, 100]).
         """
-        if self.logit_bias and any(v != 0 for v in self.logit_bias.values()):
-            raise OpenAIError(400, "logit_bias is not supported by this server yet", param="logit_bias")
+        logit_bias = self._logit_bias(vocab_size)
         bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
         if bad:
             raise OpenAIError(400, f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}", param="stop_token_ids")
@@ -166,6 +178,7 @@ class _SamplingRequest(_Strict):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             constraint=constraint,
+            logit_bias=logit_bias,
         )
         try:
             return params.validate()

@@ -95,6 +95,9 @@ class Constraint:
         return self
 
 
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding options (OpenAI / vLLM semantics).
@@ -115,6 +118,9 @@ class SamplingParams:
         ignore_eos: keep generating through EOS (stop_token_ids still apply).
         logprobs: number of top logprobs to return per output token; None disables them.
         constraint: structured output (JSON schema, regex, grammar, ...); None: unconstrained.
+        logit_bias: (token id, bias) pairs added to the logits before sampling (OpenAI semantics: bias in
+            [-100, 100]; -100 bans a token in effect, +100 all but forces it); the logprobs reported are those of
+            the biased distribution.
     """
 
     max_tokens: int = 16
@@ -132,6 +138,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     constraint: Constraint | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> SamplingParams:
         """Checks every field; returns self so that calls chain.
@@ -176,6 +183,16 @@ class SamplingParams:
         _check(
             self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
             f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",
+        )
+        _check(
+            isinstance(self.logit_bias, tuple)
+            and len(self.logit_bias) <= MAX_LOGIT_BIAS
+            and all(
+                isinstance(e, tuple) and len(e) == 2 and _is_token(e[0]) and _finite(e[1]) and -100 <= e[1] <= 100
+                for e in self.logit_bias
+            ),
+            f"logit_bias must be at most {MAX_LOGIT_BIAS} (token id >= 0, bias in [-100, 100]) pairs, "
+            f"got {self.logit_bias!r}",
         )
         if self.constraint is not None:
             _check(

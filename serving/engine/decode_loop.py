@@ -68,7 +68,7 @@ class DecodeLoops:
         p = req.sampling_params
         if p.stop or has_penalties(p) or p.logprobs is not None or req.num_output_tokens + ahead < p.min_tokens:
             return None
-        if p.constraint is not None:  # its grammar's mask is computed on the host from the previous token
+        if p.constraint is not None or p.logit_bias:  # a grammar's mask comes from the host; the bias is in _sample
             return None
         return min(self.k, p.max_tokens - req.num_output_tokens - ahead, self.max_model_len - req.num_tokens - ahead)
 

@@ -165,6 +165,9 @@ class LLMEngine:
                 f"min_tokens needs EOS and stop_token_ids banned until then; at most {_MAX_BANNED} ids "
                 f"can be, this request has {banned} (EOS ids: {len(self.eos_token_ids)})"
             )
+        bad = [tok for tok, _ in params.logit_bias if tok >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._rng.getrandbits(31))
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -254,6 +257,8 @@ class LLMEngine:
         banned = _banned(reqs, s)
         num_lp = max((r.sampling_params.logprobs or 0) for r in reqs)
         num_lp = 0 if num_lp == 0 else (5 if num_lp <= 5 else 20)
+        if any(r.sampling_params.logit_bias for r in reqs):
+            logits = _add_logit_bias(logits, *_bias_arrays(reqs, s))
         mask, dead = self.structured.bitmask(reqs, s, banned)  # host, while the forward pass runs
         for rid, message in dead.items():  # its token is dropped: update() skips finished requests
             self.scheduler.finish(rid, "error", message)
@@ -430,3 +435,21 @@ def _executable_dir(compilation_cache_dir: str) -> str | None:
     if not compilation_cache_dir or jax.default_backend() == "cpu":
         return None
     return os.path.join(os.path.expanduser(compilation_cache_dir), "executables")
+
+
+def _bias_arrays(reqs: Sequence[Request], s: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [s, N], biases [s, N]) of every row's logit_bias, N a power of two; padding adds 0 to token 0."""
+    width = 1 << max(3, (max(len(r.sampling_params.logit_bias) for r in reqs) - 1).bit_length())
+    ids = np.zeros((s, width), np.int32)
+    vals = np.zeros((s, width), np.float32)
+    for i, r in enumerate(reqs):
+        for j, (tok, bias) in enumerate(r.sampling_params.logit_bias):
+            ids[i, j], vals[i, j] = tok, bias
+    return ids, vals
+
+
+@jax.jit
+def _add_logit_bias(logits, ids, vals):
+    """logits [s, V] + each row's sparse bias (OpenAI logit_bias), before any other processing."""
+    rows = jax.numpy.arange(ids.shape[0])[:, None]
+    return logits.at[rows, ids].add(vals.astype(logits.dtype))

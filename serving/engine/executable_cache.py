@@ -67,6 +67,7 @@ def cache_key(key: tuple, args: tuple, mesh) -> str:
         dev.platform,
         dev.device_kind,
         str(dict(mesh.shape)),
+        str([d.id for d in mesh.devices.flat]),
         repr(key),
         str(tree),
         ";".join(_describe(x) for x in leaves),
@@ -101,7 +102,10 @@ class ExecutableCache:
         try:
             with open(path, "rb") as f:
                 payload = f.read()
-            exe = serialize_executable.deserialize_and_load(payload, jax.tree.structure((args, {})), out_tree)
+            devices = list(mesh.devices.flat)  # the mesh's devices, not every device of the process
+            exe = serialize_executable.deserialize_and_load(
+                payload, jax.tree.structure((args, {})), out_tree, execution_devices=devices
+            )
         except Exception as e:  # noqa: BLE001 - a bad entry is a miss, never a failure
             log.warning("executable cache: cannot load %s (%s: %s); compiling", path, type(e).__name__, e)
             self.misses += 1

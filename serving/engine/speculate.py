@@ -233,7 +233,8 @@ class SpecDecoder:
 
 def _may_speculate(req: Request) -> bool:
     p = req.sampling_params
-    return not has_penalties(p) and p.logprobs is None and p.constraint is None  # a grammar masks one token at a time
+    # A grammar masks one token at a time; a logit bias changes the target distribution the drafts are checked on.
+    return not has_penalties(p) and p.logprobs is None and p.constraint is None and not p.logit_bias
 
 
 def _banned_per_position(req: Request, k1: int) -> np.ndarray:
