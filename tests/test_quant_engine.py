@@ -61,9 +61,10 @@ def test_quantize_kv_scales_and_error(name):
     assert float(jnp.max(jnp.abs(back[2, 1]))) == 0.0
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8"])
-def test_paged_attend_quantised_matches_float(name):
-    """PagedMeta.attend with quantised pages: output close to float pages, scales written at the slots only."""
+@pytest.mark.parametrize("name,backend", [("int8", "xla"), ("fp8", "xla"), ("int8", "interpret")])
+def test_paged_attend_quantised_matches_float(name, backend):
+    """PagedMeta.attend with quantised pages: output close to float pages, scales written at the slots only
+    (the XLA reference, and our Pallas ragged kernel through the interpreter)."""
     hkv, hq, hd, pages, ps, t = 2, 4, 16, 6, 4, 11
     kq, kk, kv_ = jax.random.split(jax.random.key(1), 3)
     q, k, v = (jax.random.normal(key, (1, t, h, hd)) for key, h in ((kq, hq), (kk, hkv), (kv_, hkv)))
@@ -74,7 +75,7 @@ def test_paged_attend_quantised_matches_float(name):
         kv_lens=jnp.array([t], jnp.int32),
         cu_q_lens=jnp.array([0, t], jnp.int32),
         num_seqs=jnp.array(1, jnp.int32),
-        backend="xla",
+        backend=backend,
     )
     (ref_cache,) = init_paged_cache(1, pages, ps, hkv, hd, jnp.float32)
     (q_cache,) = init_paged_cache(1, pages, ps, hkv, hd, KV_DTYPES[name])
@@ -90,6 +91,25 @@ def test_paged_attend_quantised_matches_float(name):
     untouched = np.ones(k_scales.shape, bool)
     untouched[:, 4 : 4 + t] = False
     assert np.all(k_scales[untouched] == 1.0)
+    # One decode step over the written pages (the paged decode kernel): still close to float.
+    q1, k1, v1 = (
+        jax.random.normal(jax.random.fold_in(key, 7), (1, 1, h, hd)) for key, h in ((kq, hq), (kk, hkv), (kv_, hkv))
+    )
+    step = PagedMeta(
+        slot_mapping=jnp.array([4 + t], jnp.int32),
+        block_tables=meta.block_tables,
+        kv_lens=jnp.array([t + 1], jnp.int32),
+        cu_q_lens=jnp.array([0, 1], jnp.int32),
+        num_seqs=jnp.array(1, jnp.int32),
+        decode_only=True,
+        backend=backend,
+    )
+    ref1, _ = step.attend(q1, k1, v1, None, meta.attend(q, k, v, None, ref_cache)[1])
+    out1, new1 = step.attend(q1, k1, v1, None, new)
+    np.testing.assert_allclose(np.asarray(out1), np.asarray(ref1), atol=tol)
+    assert float(np.asarray(new1[2]).reshape(hkv, -1)[0, 4 + t]) == pytest.approx(
+        float(jnp.max(jnp.abs(k1[0, 0, 0]))) / (127.0 if name == "int8" else 448.0), rel=1e-6
+    )
 
 
 def test_engine_int8_kv_greedy_matches_float(int8_llm, float_out):
