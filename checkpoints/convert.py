@@ -32,19 +32,6 @@ from absl import app, flags, logging
 from checkpoints import hf, orbax_io
 from checkpoints.loader import load_checkpoint
 
-_SRC = flags.DEFINE_string("src", None, "a .gguf file, an HF safetensors directory, an Orbax checkpoint or 'default'")
-_DST = flags.DEFINE_string("dst", None, "output directory for the Orbax checkpoint")
-_DTYPE = flags.DEFINE_enum(
-    "dtype",
-    "auto",
-    ["auto", "float32", "bfloat16"],
-    "parameter dtype to store; auto keeps the loaded one (float32 for GGUF, stored for HF)",
-)
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "replace an existing Orbax checkpoint at --dst")
-_MESH = flags.DEFINE_string("mesh", None, "shard the saved arrays for this mesh, e.g. tp=4,pp=2 (dp/tp/pp/ep)")
-_QUANTIZE = flags.DEFINE_string("quantize", None, "store quantised weights: int8, fp8, w8a8_*, int4_rtn/awq/gptq")
-_CALIBRATION = flags.DEFINE_string("calibration_file", None, "calibration text for --quantize (default: built in)")
-
 
 def _quantize(config, params, tokenizer, method: str, calibration_file: str | None, dtype) -> dict:
     """The params with every linear projection a QuantizedArray of `method` (serving/engine/quantize.py)."""
@@ -179,19 +166,35 @@ def _check_quantize(quantize: str | None, calibration_file: str | None, mesh: st
         raise ValueError("--quantize with --mesh is not supported yet (quantised weights are stored unsharded)")
 
 
+def define_flags() -> None:
+    """The binary's flags, defined only when it runs as one (importing convert for its functions, as tests and
+    other tools do, must not clash with the engine flags of serving/flags.py such as --dtype)."""
+    flags.DEFINE_string("src", None, "a .gguf file, an HF safetensors directory, an Orbax checkpoint or 'default'")
+    flags.DEFINE_string("dst", None, "output directory for the Orbax checkpoint")
+    flags.DEFINE_enum(
+        "dtype",
+        "auto",
+        ["auto", "float32", "bfloat16"],
+        "parameter dtype to store; auto keeps the loaded one (float32 for GGUF, stored for HF)",
+    )
+    flags.DEFINE_bool("overwrite", False, "replace an existing Orbax checkpoint at --dst")
+    flags.DEFINE_string("mesh", None, "shard the saved arrays for this mesh, e.g. tp=4,pp=2 (dp/tp/pp/ep)")
+    flags.DEFINE_string("quantize", None, "store quantised weights: int8, fp8, w8a8_*, int4_rtn/awq/gptq")
+    flags.DEFINE_string("calibration_file", None, "calibration text for --quantize (default: built in)")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         sys.stderr.write(f"convert: error: unexpected arguments {argv[1:]}\n")
         return 2
-    if not _SRC.value or not _DST.value:
+    f = flags.FLAGS
+    if not f.src or not f.dst:
         sys.stderr.write("convert: error: --src and --dst are required\n")
         return 2
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every step at INFO; keep stderr to progress.
     try:
-        convert(
-            _SRC.value, _DST.value, _DTYPE.value, _OVERWRITE.value, _MESH.value, _QUANTIZE.value, _CALIBRATION.value
-        )
+        convert(f.src, f.dst, f.dtype, f.overwrite, f.mesh, f.quantize, f.calibration_file)
     except (OSError, ValueError, RuntimeError) as e:  # Expected user errors: one line, no traceback.
         sys.stderr.write(f"convert: error: {e}\n")
         return 1
@@ -199,4 +202,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
