@@ -19,7 +19,7 @@ lint: setup
 
 test: model lint
 	@$(PY) tools/gen_build.py --check
-	@$(PY) -m pytest -q -m "not gpu" --timeout 900 tests
+	@$(PY) -m pytest -q -n 2 -m "not gpu" --timeout 900 tests
 
 # On a GPU host: add the CUDA 13 build of jax to the set-up's .venv (once), then run the GPU-marked tests, 8 workers
 # sharing the GPU; each JAX process allocates GPU memory as it goes instead of preallocating 75% of it.

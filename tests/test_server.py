@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,9 +20,9 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from serving.api import app as srv
+from tests.live_app import free_port, serving_in_thread
 
 MODEL = srv.DEFAULT_MODEL_NAME
 MAX_MODEL_LEN = 256
@@ -42,12 +41,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three primary colou
 CHAT = "Name a colour."
 MAX_TOKENS = 12
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Live:
@@ -93,27 +86,8 @@ def live():
     ref = llm.generate(PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0)
     chat_ref = llm.generate([CHAT], max_tokens=MAX_TOKENS, temperature=0.0, chat=True)[0]
     asgi = srv.create_app(lambda: llm, model_name=MODEL, max_queue=256, warmup=True, enable_docs=True)
-    port = _free_port()
-    server = srv.DrainingServer(
-        uvicorn.Config(
-            asgi, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=120
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not become healthy"
-        time.sleep(0.5)
-    yield Live(llm, asgi, server, thread, url, ref, chat_ref)
-    server.should_exit = True
-    thread.join(timeout=120)
+    with serving_in_thread(asgi, timeout_graceful_shutdown=120) as (server, thread, url):
+        yield Live(llm, asgi, server, thread, url, ref, chat_ref)
 
 
 # AsyncEngine over a fake engine (no model) ----------------------------------------------------------------------
@@ -579,7 +553,7 @@ def test_engine_error_fails_requests_then_recovers(live):
 def test_binary_serves_with_api_key_and_exits_0_on_sigterm(live, tmp_path):
     """The absl binary itself: flags, API key, a real SIGTERM mid-stream (drained), exit status 0. Compiles hit the
     persistent cache that the module's server filled (same shapes)."""
-    port = _free_port()
+    port = free_port()
     flags = [
         "--port",
         str(port),

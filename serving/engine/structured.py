@@ -117,12 +117,30 @@ class StructuredOutputs:
         template = llg.LLMatcher(self.ll_tokenizer, text, log_level=0)  # releases the GIL while it compiles
         if template.is_error():
             raise ValueError(f"constraint {c.kind} does not compile: {template.get_error().strip()}")
+        self._probe(c, template)
         with self._lock:
             self.num_compiled += 1
             self._cache[c] = template
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return template
+
+    def _probe(self, c: Constraint, template) -> None:
+        """Refuses a constraint whose first mask the grammar itself would not accept: every token the mask allows
+        at the start must be consumable. (llguidance 1.9 compiles a regex of astral-plane literals, e.g.
+        "\U0007e458", to a first mask that allows only the literal's second UTF-8 byte, then refuses that token;
+        without this probe such a request failed mid-generation with a server error.)"""
+        probe = template.deep_copy()
+        mask = np.zeros((1, self.num_words), np.int32)
+        _llguidance().numpy.fill_next_token_bitmask(probe, mask, 0)
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.vocab_size]
+        allowed = np.flatnonzero(bits)
+        bad = [int(t) for t in allowed[:64] if not template.deep_copy().consume_token(int(t))]
+        if bad:
+            raise ValueError(
+                f"constraint {c.kind} cannot be enforced with this tokenizer: the grammar's first mask allows "
+                f"token(s) {bad[:5]} that it then refuses"
+            )
 
     def add(self, request_id: str, c: Constraint) -> None:
         self._matchers[request_id] = self.compile(c).deep_copy()
