@@ -28,6 +28,7 @@ from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.decode_loop import DecodeLoops, has_penalties
+from serving.engine.executable_cache import caches_compiled_code
 from serving.engine.quantize import kv_cache_dtype, quantize_model
 from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, pad_sampling, sample_rows, size_kv_pool
 from serving.engine.speculate import make_spec_decoder
@@ -431,8 +432,8 @@ def _logprob_entry(req: Request, token, lp, top_ids, top_lp):
 
 def _executable_dir(compilation_cache_dir: str) -> str | None:
     """Compiled step executables live beside JAX's compilation cache ('' turns both off; a CPU host keeps neither,
-    see serving/engine/llm.py caches_compiled_code)."""
-    if not compilation_cache_dir or jax.default_backend() == "cpu":
+    see serving/engine/executable_cache.py caches_compiled_code)."""
+    if not compilation_cache_dir or not caches_compiled_code():
         return None
     return os.path.join(os.path.expanduser(compilation_cache_dir), "executables")
 

@@ -76,6 +76,16 @@ def cache_key(key: tuple, args: tuple, mesh) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def caches_compiled_code() -> bool:
+    """Whether this backend keeps compiled code on disk (the persistent compilation cache, the executable cache).
+
+    Not on a CPU: there jax 0.11.2's XLA:CPU executables read back from a shared cache directory failed at run
+    time in this project's tests ("JaxRuntimeError: Function negate_power_fusion not found" inside LLM.generate,
+    gone with the cache off), so a CPU host compiles afresh; accelerators, where start-up matters, cache.
+    """
+    return jax.default_backend() != "cpu"
+
+
 class ExecutableCache:
     """Loads or compiles+stores executables under `directory` (None: a pass-through that only compiles)."""
 

@@ -35,6 +35,7 @@ from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, SamplingParams
 from serving.engine import scoring, weights
 from serving.engine.engine import LLMEngine
+from serving.engine.executable_cache import caches_compiled_code
 from serving.engine.scoring import ScoreOutput
 
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -52,16 +53,6 @@ def parse_dtype(dtype: Any):
 def _score(model: Transformer, tokens_bt):
     t = tokens_bt.shape[1]
     return model(tokens_bt, jnp.arange(t)[None], None, NoCache(jnp.array([t])))[0]
-
-
-def caches_compiled_code() -> bool:
-    """Whether this backend keeps compiled code on disk (the persistent compilation cache, the executable cache).
-
-    Not on a CPU: there jax 0.11.2's XLA:CPU executables read back from a shared cache directory failed at run
-    time in this project's tests ("JaxRuntimeError: Function negate_power_fusion not found" inside LLM.generate,
-    gone with the cache off), so a CPU host compiles afresh; accelerators, where start-up matters, cache.
-    """
-    return jax.default_backend() != "cpu"
 
 
 def enable_compilation_cache(directory: str) -> None:
