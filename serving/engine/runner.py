@@ -240,13 +240,23 @@ class ModelRunner:
     def _executable(self, key: tuple, build, args):
         exe = self._compiled.get(key)
         if exe is None:
-            exe = self._cache.load(key, args, self.mesh, self._out_tree(key))
+            exe = self._from_disk(key, args)
             if exe is None:
                 exe = build().lower(*args).compile()
                 self._cache.store(key, args, self.mesh, exe)
-            self._compiled[key] = exe
-            self.num_compiles += 1
+                self._keep(key, exe)
         return exe
+
+    def _from_disk(self, key: tuple, args):
+        """The executable for `key` from the executable cache (kept), or None."""
+        exe = self._cache.load(key, args, self.mesh, self._out_tree(key))
+        if exe is not None:
+            self._keep(key, exe)
+        return exe
+
+    def _keep(self, key: tuple, exe) -> None:
+        self._compiled[key] = exe
+        self.num_compiles += 1
 
     def _out_tree(self, key: tuple):
         """Output structure of an executable: step -> (logits, kv, router counts), loop -> (tokens, logprobs, kv,
@@ -302,23 +312,17 @@ class ModelRunner:
         """
         todo = []
         for key, build, args in self.warmup_plan(decode_loop_steps, widths):
-            if key in self._compiled:
-                continue
-            exe = self._cache.load(key, args, self.mesh, self._out_tree(key))
-            if exe is None:
+            if key not in self._compiled and self._from_disk(key, args) is None:
                 todo.append((key, build, args))
-            else:
-                self._compiled[key] = exe
-                self.num_compiles += 1
         threads = threads or max(1, (os.cpu_count() or 2) // 2)
         t0, done = time.perf_counter(), 0
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             futures = {pool.submit(build().lower(*args).compile): (key, args) for key, build, args in todo}
             for fut in concurrent.futures.as_completed(futures):
                 key, args = futures[fut]
-                self._compiled[key] = exe = fut.result()
+                exe = fut.result()
                 self._cache.store(key, args, self.mesh, exe)
-                self.num_compiles += 1
+                self._keep(key, exe)
                 done += 1
                 if progress is not None:
                     progress(done, len(todo))
