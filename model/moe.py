@@ -16,24 +16,30 @@ Expert weights go through `expert_matmul`, the grouped counterpart of `model.qua
 quantised expert format will be added; plain arrays today).
 
 Expert parallelism (`mesh` given and sharding/rules.py splitting E over its expert/tensor axes, n shards): the
-router runs replicated, then inside `jax.shard_map` each device holds E/n experts and every token's routing:
+router runs replicated (the statistics need every token's routing), then inside `jax.shard_map` over those axes
+each device holds E/n experts and T/n of the tokens (T padded up to a multiple of n with rows that route nowhere):
 
-    local experts e0 .. e0 + E/n    their assignments are one contiguous run of the expert-sorted order, starting
-                                    at starts[e0]; the order is rotated so that the run comes first, and the
-                                    grouped matmul with the E/n local group sizes computes exactly those rows
-                                    (rows past the local groups come out zero)
-    combine                         each device's weighted partial sum [T, D], then one psum over the n shards
+    dispatch   its T/n * k assignments sorted by expert, so grouped by destination device (expert // (E/n)),
+               packed into [n, C, D] send slots (C = T/n * k: room for all of them on any one device, so no
+               capacity factor and nothing dropped) with per-destination counts; one all_to_all
+    experts    the received rows sorted by local expert -> the same grouped SwiGLU as above
+    combine    a second all_to_all returns each row to its source, which un-sorts and weights them; the [T/n, D]
+               results are all-gathered back into the replicated residual stream
 
-Tokens are not moved (they are replicated over the expert axis already), so dispatch needs no all-to-all; the
-price is the one psum of [T, D] per layer, the same as a tensor-parallel MLP's all-reduce.
+jax 0.11.2's XLA:CPU has no ragged-all-to-all, hence the padded exchange: slots past a destination's count are
+zeros that the grouped matmul leaves out (rows past the group sizes). Per layer this moves tokens, not the [T, D]
+partial sums the all-reduce of a psum-based expert split would.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
@@ -136,10 +142,7 @@ class MoEMLP(nnx.Module):
         order = jnp.argsort(flat_e, stable=True)  # [T*k] assignments sorted by expert
         group_sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)  # [E]
         rows = jnp.take(x_td, order // k, axis=0)  # [T*k, D]
-        h = expert_matmul(rows, self.w_gate_up.get_value(), group_sizes, self.backend)  # [T*k, 2F]
-        gate, up = jnp.split(h, 2, axis=-1)
-        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x_td.dtype)
-        y_sorted = expert_matmul(act, self.w_down.get_value(), group_sizes, self.backend)  # [T*k, D]
+        y_sorted = _swiglu_experts(rows, self.w_gate_up.get_value(), self.w_down.get_value(), group_sizes, self.backend)
         y_tkd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)  # un-sort
         y_td = jnp.einsum("tkd,tk->td", y_tkd.astype(jnp.float32), weights_tk)
         return y_td, group_sizes
@@ -153,33 +156,80 @@ class MoEMLP(nnx.Module):
         return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
     def _experts_sharded(self, x_td, weights_tk, experts_tk, mesh, axes):
-        """Expert-parallel `_experts` (module docstring): local experts per device, one psum of [T, D] f32."""
-        e_local = self.num_experts // int(np.prod([mesh.shape[a] for a in axes]))
-        num_experts, backend = self.num_experts, self.backend
+        """Expert-parallel `_experts` (module docstring): tokens split over `axes`, sent to the devices that own
+        their experts by one all-to-all, computed there, sent back by a second, combined, then all-gathered."""
+        n = int(np.prod([mesh.shape[a] for a in axes]))
         t, k = experts_tk.shape
-
-        def local(x_td, weights_tk, experts_tk, w_gate_up, w_down):
-            e0 = jax.lax.axis_index(axes) * e_local
-            flat_e = experts_tk.reshape(-1)
-            order = jnp.argsort(flat_e, stable=True)
-            group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
-            start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(group_sizes)])[e0]
-            local_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, e0, e_local)
-            picked = order[(jnp.arange(t * k) + start) % (t * k)]  # the local experts' assignments first
-            rows = jnp.take(x_td, picked // k, axis=0)
-            h = expert_matmul(rows, w_gate_up, local_sizes, backend)
-            gate, up = jnp.split(h, 2, axis=-1)
-            act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x_td.dtype)
-            y_rows = expert_matmul(act, w_down, local_sizes, backend)  # zero past the local groups
-            y_tkd = jnp.zeros_like(y_rows).at[picked].set(y_rows).reshape(t, k, -1)
-            return jax.lax.psum(jnp.einsum("tkd,tk->td", y_tkd.astype(jnp.float32), weights_tk), axes)
-
-        rep, split = P(), P(axes if len(axes) > 1 else axes[0])
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, split, split), out_specs=rep, check_vma=False)
-        return fn(x_td, weights_tk, experts_tk, self.w_gate_up.get_value(), self.w_down.get_value())
+        t_pad = -(-t // n) * n  # each device takes t_pad / n tokens; the pad rows route nowhere (expert id E)
+        if t_pad != t:
+            x_td = jnp.pad(x_td, ((0, t_pad - t), (0, 0)))
+            weights_tk = jnp.pad(weights_tk, ((0, t_pad - t), (0, 0)))
+            experts_tk = jnp.pad(experts_tk, ((0, t_pad - t), (0, 0)), constant_values=self.num_experts)
+        local = functools.partial(
+            _dispatch_compute_combine, axes=axes, n=n, e_local=self.num_experts // n, backend=self.backend
+        )
+        rep, spec = P(), P(axes if len(axes) > 1 else axes[0])
+        # Tokens go in replicated and each device slices its own: split in_specs would let GSPMD push the token
+        # split back into attention and the router, with collectives of its own choosing there.
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, spec, spec), out_specs=spec)
+        y_td = fn(x_td, weights_tk, experts_tk, self.w_gate_up.get_value(), self.w_down.get_value())  # [T', D]
+        # Replicated again (one all-gather), as the dense MLP's output is: the residual stream is not token-split.
+        return jax.lax.with_sharding_constraint(y_td, NamedSharding(mesh, P()))[:t]
 
     def _shared(self, x_td):
         """Qwen-MoE's shared expert: sigmoid(x @ gate) * SwiGLU(x), in float32 for the sum."""
         h = jax.nn.silu(matmul(x_td, self.shared_w_gate.get_value())) * matmul(x_td, self.shared_w_up.get_value())
         y = matmul(h, self.shared_w_down.get_value()).astype(jnp.float32)
         return jax.nn.sigmoid(matmul(x_td, self.shared_gate.get_value(), out_dtype=jnp.float32)) * y
+
+
+def _swiglu_experts(rows_md, w_gate_up, w_down, group_sizes, backend):
+    """Rows sorted by expert [M, D] -> SwiGLU of each row's expert [M, D]; rows past sum(group_sizes) come out 0."""
+    h = expert_matmul(rows_md, w_gate_up, group_sizes, backend)  # [M, 2F]
+    gate, up = jnp.split(h, 2, axis=-1)
+    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows_md.dtype)
+    return expert_matmul(act, w_down, group_sizes, backend)  # [M, D]
+
+
+def _dispatch_compute_combine(x_td, weights_tk, experts_tk, w_gate_up, w_down, *, axes, n, e_local, backend):
+    """One device's share of expert parallelism (inside shard_map over `axes`, n devices, e_local experts each).
+
+    In: every token x [T, D] with its routing [T, k] (expert id E marks a pad token), of which this device takes
+    t = T/n, and its experts' weights. Out: y [t, D] float32 of its own tokens.
+
+        send     the a = t*k assignments sorted by expert are, in that order, grouped by destination device
+                 (expert // e_local); buffer [n, C=a, D]: slot (d, j) holds the j-th row bound for device d, for
+                 j < counts[d] (capacity a per destination: even if every assignment goes to one device, none
+                 is dropped; the rest of the slot is zero padding)
+        a2a      all_to_all: device d receives [n, C, D], source s's rows first, and their local expert ids
+                 (e_local for padding), then sorts them by local expert for the grouped matmul
+        a2a      the outputs go back the same way; the source scatters them to their sorted positions, un-sorts
+                 and combines with the router weights
+    """
+    t, k = experts_tk.shape[0] // n, experts_tk.shape[1]
+    a = t * k
+    first = jax.lax.axis_index(axes) * t  # this device's tokens: rows first .. first + t of the replicated input
+    x_td, weights_tk, experts_tk = (jax.lax.dynamic_slice_in_dim(v, first, t) for v in (x_td, weights_tk, experts_tk))
+    flat_e = experts_tk.reshape(-1)  # [a]
+    order = jnp.argsort(flat_e, stable=True)  # [a] assignments by expert, so by destination device
+    dest = flat_e // e_local  # [a]; a pad assignment has dest n
+    counts = jnp.sum(dest[None, :] == jnp.arange(n)[:, None], axis=1).astype(jnp.int32)  # [n] rows to each device
+    starts = jnp.cumsum(counts) - counts  # [n] first sorted position bound for each device
+    slot = jnp.arange(a)[None, :]  # [1, C]
+    used = slot < counts[:, None]  # [n, C]
+    pos = jnp.where(used, starts[:, None] + slot, 0)  # [n, C] sorted position held by each slot
+    picked = order[pos]  # [n, C] assignment ids
+    send_x = jnp.where(used[..., None], jnp.take(x_td, picked // k, axis=0), 0)  # [n, C, D]
+    send_e = jnp.where(used, flat_e[picked] - jnp.arange(n)[:, None] * e_local, e_local)  # [n, C] local ids
+
+    recv_x = jax.lax.all_to_all(send_x, axes, 0, 0, tiled=True).reshape(n * a, -1)  # [n*C, D] by source
+    recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True).reshape(n * a)  # [n*C]
+    order2 = jnp.argsort(recv_e, stable=True)  # this device's rows by local expert, padding last
+    sizes = jnp.sum(recv_e[None, :] == jnp.arange(e_local)[:, None], axis=1).astype(jnp.int32)  # [e_local]
+    y_rows = _swiglu_experts(jnp.take(recv_x, order2, axis=0), w_gate_up, w_down, sizes, backend)
+    y_recv = jnp.zeros_like(y_rows).at[order2].set(y_rows).reshape(n, a, -1)  # [n, C, D] in arrival order
+    y_back = jax.lax.all_to_all(y_recv, axes, 0, 0, tiled=True)  # [n, C, D]: slot (d, j) computed by device d
+
+    y_sorted = jnp.zeros((a + 1, y_back.shape[-1]), y_back.dtype).at[jnp.where(used, pos, a)].set(y_back)[:a]
+    y_tkd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)  # un-sort
+    return jnp.einsum("tkd,tk->td", y_tkd.astype(jnp.float32), weights_tk)  # [t, D] f32
