@@ -133,7 +133,8 @@ class PagedMeta:
         repeat = k_pages.shape[0] // k.shape[2]  # > 1: KV heads repeated to the tensor-parallel degree
         if repeat > 1:
             k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-        tp = 1 if self.mesh is None else dict(zip(self.mesh.axis_names, self.mesh.devices.shape)).get("tensor", 1)
+        # A Mesh, or the AbstractMesh of a pipeline stage (model/pipeline.py): both give their axis sizes in .shape.
+        tp = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
         if tp == 1 or q.shape[2] % tp or k_pages.shape[0] % tp:
             out, *cache = self._write_attend(q[0], k[0], v[0], *cache, **attn)
             return out[None], tuple(cache)

@@ -311,11 +311,12 @@ class EngineConfig:
             section = getattr(self, f.name)
             if not isinstance(section, f.default_factory):
                 raise ValueError(f"EngineConfig.{f.name} must be a {f.default_factory.__name__}, got {section!r}")
-        # tensor / expert parallel: built; the model-dependent checks (heads, experts, device count) run when the
-        # engine builds its mesh (sharding/config.py check_parallel).
-        for option in ("data_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, option) != 1:
-                _not_supported_yet(option, getattr(self, option))
+        # tensor / expert / pipeline parallel: built; the model-dependent checks (heads, experts, layers, device
+        # count) run when the engine builds its mesh (sharding/config.py check_parallel).
+        if self.data_parallel_size != 1:
+            _not_supported_yet("data_parallel_size", self.data_parallel_size)
+        if self.pipeline_parallel_size > 1 and self.speculative.method == "self":  # it lends the target's layer KV
+            raise ValueError("pipeline_parallel_size > 1 and speculative_method='self' do not combine yet")
         length, blocks, bs = self.model.max_model_len, self.cache.num_kv_blocks, self.cache.block_size
         if length is not None and blocks is not None and (blocks - 1) * bs < length:
             raise ValueError(

@@ -46,11 +46,12 @@ def check_parallel(parallel: ParallelConfig, model_cfg, num_devices: int) -> Non
 
     Args:
         parallel: the degrees.
-        model_cfg: a model.config.ModelConfig (duck-typed: num_heads, num_kv_heads, num_experts, name).
+        model_cfg: a model.config.ModelConfig (duck-typed: num_heads, num_kv_heads, num_layers, num_experts, name).
         num_devices: devices available (jax.device_count()).
 
     Raises:
-        ValueError: more devices than exist, heads / KV heads / experts not divisible, or a degree not built yet.
+        ValueError: more devices than exist, heads / KV heads / layers / experts not divisible, or a degree not built
+            yet.
     """
     p, name = parallel, getattr(model_cfg, "name", "the model")
     if p.num_devices > num_devices:
@@ -58,10 +59,8 @@ def check_parallel(parallel: ParallelConfig, model_cfg, num_devices: int) -> Non
             f"data_parallel_size={p.dp} x tensor_parallel_size={p.tp} x pipeline_parallel_size={p.pp} x "
             f"expert_parallel_size={p.ep} needs {p.num_devices} devices; only {num_devices} exist"
         )
-    if p.dp > 1:
-        raise ValueError(f"data_parallel_size={p.dp} is not supported yet (run one engine per replica)")
     if p.pp > 1:
-        raise ValueError(f"pipeline_parallel_size={p.pp} is not supported yet")
+        check_pipeline(model_cfg, p.pp)
     heads, kv = model_cfg.num_heads, model_cfg.num_kv_heads
     if heads % p.tp:
         raise ValueError(f"tensor_parallel_size={p.tp} does not divide num_heads={heads} of {name}")
@@ -75,3 +74,22 @@ def check_parallel(parallel: ParallelConfig, model_cfg, num_devices: int) -> Non
         raise ValueError(f"expert_parallel_size={p.ep} needs an MoE model; {name} is dense")
     if p.ep > 1 and experts % p.ep:
         raise ValueError(f"expert_parallel_size={p.ep} does not divide num_experts={experts} of {name}")
+
+
+def check_pipeline(cfg, stages: int) -> None:
+    """Refuses a model whose layers cannot be split into `stages` equal pipeline stages (model/pipeline.py).
+
+    Every stage runs the same sequence of layer kinds (window, RoPE base), so one stage program serves all.
+    """
+    name = getattr(cfg, "name", "the model")
+    if cfg.num_layers % stages:
+        raise ValueError(f"pipeline_parallel_size={stages} does not divide num_layers={cfg.num_layers} of {name}")
+    n = cfg.num_layers // stages
+    for i in range(cfg.num_layers):
+        if (cfg.layer_window(i), cfg.layer_rope_theta(i)) != (cfg.layer_window(i % n), cfg.layer_rope_theta(i % n)):
+            raise ValueError(
+                f"pipeline_parallel_size={stages}: the {n}-layer stages of {name} would differ in their layer "
+                "windows / RoPE bases (the pattern must repeat within a stage)"
+            )
+    if getattr(cfg, "num_experts", 0):
+        raise ValueError(f"pipeline_parallel_size={stages} supports dense models; {name} is MoE")

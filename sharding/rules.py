@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.mesh import DATA, EXPERT, TENSOR
+from sharding.mesh import DATA, EXPERT, PIPELINE, TENSOR
 
 LogicalAxes = tuple[str | None, ...]
 MeshAxes = str | tuple[str, ...] | None
@@ -39,8 +39,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("experts", (EXPERT, TENSOR)),
     ("expert_mlp", None),
     ("router", None),
-    # Canonical params are per layer; a stacked [L, ...] array keeps its layer axis whole on every device.
-    ("layers", None),
+    # Canonical params are per layer; stacked [L, ...] (pipeline parallelism, model/pipeline.py) they split into
+    # stages of consecutive layers, and so does the stacked KV pool.
+    ("layers", PIPELINE),
 )
 _RULES = dict(LOGICAL_AXIS_RULES)
 
@@ -160,11 +161,31 @@ def param_partition_spec(name: str, shape: Sequence[int], mesh: Mesh, *, head_di
 def param_shardings(
     params_shapes: Mapping[str, Any], mesh: Mesh, *, head_dim: int | None = None
 ) -> dict[str, NamedSharding]:
-    """NamedSharding for every parameter; values may be arrays, ShapeDtypeStructs or plain shape tuples."""
-    return {
-        name: NamedSharding(mesh, param_partition_spec(name, getattr(x, "shape", x), mesh, head_dim=head_dim))
-        for name, x in params_shapes.items()
-    }
+    """NamedSharding for every parameter; values may be arrays, ShapeDtypeStructs or plain shape tuples.
+
+    On a mesh with a pipeline axis, per-layer parameters `layers.{i}.*` go to the devices of their stage only (a
+    sub-mesh of pipeline size 1; consecutive layers per stage, as model/pipeline.py stacks them), so a checkpoint
+    restored for pipelining reads each layer into one stage's memory; the other parameters span the whole mesh.
+    """
+    stages = stage_meshes(mesh)
+    layers = [int(n.split(".")[1]) for n in params_shapes if n.startswith("layers.") and n.split(".")[1].isdigit()]
+    num_layers = max(layers, default=0) + 1
+    out = {}
+    for name, x in params_shapes.items():
+        parts = name.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" and len(parts) == 3 and parts[1].isdigit() else None
+        on = mesh if layer is None or len(stages) == 1 else stages[layer * len(stages) // num_layers]
+        out[name] = NamedSharding(on, param_partition_spec(name, getattr(x, "shape", x), on, head_dim=head_dim))
+    return out
+
+
+def stage_meshes(mesh: Mesh) -> list[Mesh]:
+    """The sub-mesh of each pipeline stage (its pipeline axis of size 1), in stage order; [mesh] without one."""
+    axis = mesh.axis_names.index(PIPELINE) if PIPELINE in mesh.axis_names else None
+    if axis is None or mesh.devices.shape[axis] == 1:
+        return [mesh]
+    take = lambda s: mesh.devices.take([s], axis=axis)  # noqa: E731
+    return [Mesh(take(s), mesh.axis_names, axis_types=mesh.axis_types) for s in range(mesh.devices.shape[axis])]
 
 
 def shard_params(params: Mapping[str, Any], mesh: Mesh, *, head_dim: int | None = None) -> dict[str, jax.Array]:
@@ -173,12 +194,13 @@ def shard_params(params: Mapping[str, Any], mesh: Mesh, *, head_dim: int | None 
     return {name: jax.device_put(x, shardings[name]) for name, x in params.items()}
 
 
-def kv_cache_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
-    """Sharding of paged KV pages `[Hkv, num_pages, page_size, hd]` or scales `[Hkv, num_pages, page_size]`."""
-    axes = {4: KV_PAGES_AXES, 3: KV_SCALES_AXES}.get(len(shape))
+def kv_cache_sharding(shape: Sequence[int], mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
+    """Sharding of paged KV pages `[Hkv, num_pages, page_size, hd]` or scales `[Hkv, num_pages, page_size]`;
+    `stacked`: with a leading layer axis `[L, ...]` (the pipeline's pool, split into stages)."""
+    axes = {4: KV_PAGES_AXES, 3: KV_SCALES_AXES}.get(len(shape) - stacked)
     if axes is None:
-        raise ValueError(f"KV pages are 4-D and scales 3-D; got shape {tuple(shape)}")
-    return NamedSharding(mesh, logical_partition_spec(axes, shape, mesh))
+        raise ValueError(f"KV pages are 4-D and scales 3-D (one more stacked); got shape {tuple(shape)}")
+    return NamedSharding(mesh, logical_partition_spec(("layers",) * stacked + axes, shape, mesh))
 
 
 def kv_cache_heads(num_kv_heads: int, mesh: Mesh) -> int:

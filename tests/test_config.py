@@ -123,7 +123,7 @@ def test_unknown_option_is_named_with_a_suggestion():
     "option,value",
     # kv_cache_dtype and quantization are built (tests/test_quant_engine.py); ngram, draft and self speculation too
     # (tests/test_spec_engine.py); tensor / expert parallel: tests/test_parallel_engine.py
-    [("speculative_method", "medusa")] + [(f"{p}_parallel_size", 2) for p in ("data", "pipeline")],
+    [("speculative_method", "medusa"), ("data_parallel_size", 2)],  # pipeline parallel: test_parallel_pipeline.py
 )
 def test_features_not_built_yet_are_refused(option, value):
     extra = dict(num_speculative_tokens=2) if option == "speculative_method" else {}

@@ -139,7 +139,7 @@ def test_invalid_meshes_are_refused():
         (ParallelConfig(tp=3), smol.replace(num_heads=12, num_kv_heads=2), "num_kv_heads=2 of smollm2_135m: one must"),
         (ParallelConfig(ep=2), smol, "expert_parallel_size=2 needs an MoE model"),
         (ParallelConfig(ep=4), moe, "expert_parallel_size=4 does not divide num_experts=6"),
-        (ParallelConfig(pp=2), smol, "pipeline_parallel_size=2 is not supported yet"),
+        (ParallelConfig(pp=4), smol, "pipeline_parallel_size=4 does not divide num_layers=30"),
     ]
     for parallel, cfg, message in cases:
         with pytest.raises(ValueError, match=message):

