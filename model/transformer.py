@@ -116,6 +116,7 @@ class Transformer(nnx.Module):
         logits_index_bk: jax.Array | None = None,
         valid_bt: jax.Array | None = None,
         router_stats: bool = False,
+        return_hidden: bool = False,
     ):
         """Runs the decoder.
 
@@ -127,9 +128,12 @@ class Transformer(nnx.Module):
           logits_index_bk: optional [B, K] indices into T; logits only there (saves the vocab matmul).
           valid_bt: optional [B, T] bool, the real (non-padding) tokens: only they count in the router statistics.
           router_stats: also return the MoE router's load, tokens_per_expert [L, E] int32 ([L, 0] when dense).
+          return_hidden: also return the final-normed hidden states the head reads, [B, K or T, D] (the input of
+            trained draft heads, model/medusa.py).
 
         Returns:
-          (logits [B, K or T, V] float32, new caches), plus tokens_per_expert when router_stats.
+          (logits [B, K or T, V] float32, new caches), plus tokens_per_expert when router_stats, plus the hidden
+          states when return_hidden.
         """
         cfg = self.cfg
         thetas = {cfg.layer_rope_theta(i) for i in range(cfg.num_layers)}  # Gemma 3: local and global bases
@@ -146,14 +150,19 @@ class Transformer(nnx.Module):
         if logits_index_bk is not None:
             x = jnp.take_along_axis(x, logits_index_bk[:, :, None], axis=1)
         x = self.final_norm(x)
+        out = self.head(x), (None if caches is None else new_caches)
+        out = (*out, jnp.stack(counts)) if router_stats else out
+        return (*out, x) if return_hidden else out
+
+    def head(self, x_bkd: jax.Array) -> jax.Array:
+        """Logits [B, K, V] float32 of final-normed hidden states [B, K, D]: the LM head (tied or not), softcap."""
         if self.cfg.tie_word_embeddings:
-            logits = self.embed.attend(x)
+            logits = self.embed.attend(x_bkd)
         else:
-            logits = matmul(x, self.lm_head.get_value(), out_dtype=jnp.float32)
-        if cfg.final_logit_softcap is not None:
-            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-        out = logits, (None if caches is None else new_caches)
-        return (*out, jnp.stack(counts)) if router_stats else out
+            logits = matmul(x_bkd, self.lm_head.get_value(), out_dtype=jnp.float32)
+        if self.cfg.final_logit_softcap is not None:
+            logits = self.cfg.final_logit_softcap * jnp.tanh(logits / self.cfg.final_logit_softcap)
+        return logits
 
 
 # Canonical parameter names <-> module attributes ----------------------------------------------------------------

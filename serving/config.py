@@ -172,10 +172,12 @@ class SpeculativeConfig:
 
     Attributes:
         method: None (off), "ngram" (prompt lookup), "draft" (a draft model sharing the tokenizer), "self" (the
-            target's first layers + its head) or "medusa" (trained heads: refused until they land).
+            target's first layers + its head) or "medusa" (heads trained by serving/train_heads.py on the
+            target's last hidden state).
         num_speculative_tokens: the most tokens proposed per row and step (>= 1 with a method, 0 without); the
             adaptive policy picks k per request from its acceptance (tiers 1/3/5/7 up to this).
-        speculative_model: the draft model's path (method "draft" only).
+        speculative_model: the draft model's path (method "draft"), or the heads checkpoint directory (method
+            "medusa"; read when the engine starts).
         speculative_batch_threshold: speculate only while fewer than this many sequences run (k shrinks
             geometrically on the way there, serving/core/spec_policy.py); 0: at any batch size.
         speculative_draft_layers: layers of the target the "self" draft runs (0: half of them; method "self" only).
@@ -190,8 +192,6 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method is not None:
             _check_choice("speculative_method", self.method, SPECULATIVE_METHODS)
-            if self.method == "medusa":
-                _not_supported_yet("speculative_method", self.method)
         if self.method is not None and self.num_speculative_tokens == 0:
             raise ValueError(f"speculative_method={self.method!r} needs num_speculative_tokens >= 1")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1 if self.method else 0)
@@ -200,8 +200,8 @@ class SpeculativeConfig:
         for option in ("num_speculative_tokens", "speculative_batch_threshold"):
             if self.method is None and getattr(self, option):
                 raise ValueError(f"{option} needs speculative_method (speculative decoding is off)")
-        if (self.speculative_model is not None) != (self.method == "draft"):
-            raise ValueError("speculative_model is needed by, and only by, speculative_method='draft'")
+        if (self.speculative_model is not None) != (self.method in ("draft", "medusa")):
+            raise ValueError("speculative_model is needed by, and only by, speculative_method='draft' or 'medusa'")
         if self.speculative_draft_layers and self.method != "self":
             raise ValueError("speculative_draft_layers needs speculative_method='self'")
 

@@ -55,7 +55,9 @@ flags.DEFINE_integer("expert_parallel_size", _D.parallel.ep, "devices the MoE ex
 # Speculative decoding and quantisation
 flags.DEFINE_enum("speculative_method", _D.speculative.method, list(SPECULATIVE_METHODS), "speculative decoding")
 flags.DEFINE_integer("num_speculative_tokens", _D.num_speculative_tokens, "tokens proposed per speculative step")
-flags.DEFINE_string("speculative_model", _D.speculative_model, "draft model (speculative_method=draft)")
+flags.DEFINE_string(
+    "speculative_model", _D.speculative_model, "draft model (method draft) or heads checkpoint dir (method medusa)"
+)
 flags.DEFINE_integer(
     "speculative_batch_threshold",
     _D.speculative_batch_threshold,

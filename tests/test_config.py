@@ -121,14 +121,14 @@ def test_unknown_option_is_named_with_a_suggestion():
 
 @pytest.mark.parametrize(
     "option,value",
-    # kv_cache_dtype and quantization are built (tests/test_quant_engine.py); ngram, draft and self speculation too
-    # (tests/test_spec_engine.py); tensor / expert parallel: tests/test_parallel_engine.py
-    [("speculative_method", "medusa"), ("data_parallel_size", 2)],  # pipeline parallel: test_parallel_pipeline.py
+    # kv_cache_dtype and quantization are built (tests/test_quant_engine.py); ngram, draft, self and medusa
+    # speculation too (tests/test_spec_engine.py, tests/test_medusa.py); tensor / expert parallel:
+    # tests/test_parallel_engine.py
+    [("data_parallel_size", 2)],  # pipeline parallel: tests/test_parallel_pipeline.py
 )
 def test_features_not_built_yet_are_refused(option, value):
-    extra = dict(num_speculative_tokens=2) if option == "speculative_method" else {}
     with pytest.raises(ValueError, match=f"{option}={value!r} is not supported yet"):
-        EngineConfig.from_kwargs(**{option: value}, **extra)
+        EngineConfig.from_kwargs(**{option: value})
 
 
 def test_config_modules_import_no_jax():

@@ -205,7 +205,7 @@ class LLMEngine:
             if out.is_empty:
                 return []
             self.runner.copy_blocks(out.cow_pairs)
-            if self.spec is not None and any(sr.num_draft for sr in out.scheduled):
+            if self.spec is not None and self.spec.takes(out):
                 return self._apply(out, *self.spec.step(out), None)  # one verify pass (serving/engine/speculate.py)
             limits = self.loops.limits(out)
             if not limits:

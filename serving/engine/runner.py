@@ -172,7 +172,9 @@ class ModelRunner:
             self.kv_cache = init_stage_cache(*kv_args, self.mesh)
         else:
             cache = init_paged_cache(*kv_args)
-            self.kv_cache = [tuple(jax.device_put(a, kv_cache_sharding(a.shape, self.mesh)) for a in kv) for kv in cache]
+            self.kv_cache = [
+                tuple(jax.device_put(a, kv_cache_sharding(a.shape, self.mesh)) for a in kv) for kv in cache
+            ]
         self.num_blocks = num_blocks
         # MoE router load: tokens routed to each expert of each layer [L, E], summed on device over every step.
         self.router_tokens = jnp.zeros((self.cfg.num_layers, self.cfg.num_experts), jnp.int32)
@@ -210,8 +212,8 @@ class ModelRunner:
             model = nnx.merge(graphdef, params)
             meta = PagedMeta(slots, block_tables, kv_lens, cu_q_lens, num_seqs, decode_only, backend, mesh)
             valid = jnp.arange(tokens.shape[0]) < cu_q_lens[-1]  # padding tokens stay out of the router stats
-            logits, kv, counts = model(tokens[None], positions[None], kv, meta, logits_idx[None], valid[None], True)
-            return logits[0], kv, counts
+            out = model(tokens[None], positions[None], kv, meta, logits_idx[None], valid[None], True, True)
+            return out[0][0], out[1], out[2], out[3][0]  # + hidden states: trained draft heads read them
 
         return jax.jit(step, donate_argnums=(1,))
 
@@ -264,10 +266,9 @@ class ModelRunner:
         self.num_compiles += 1
 
     def _out_tree(self, key: tuple):
-        """Output structure of an executable: step -> (logits, kv, router counts), loop -> (tokens, logprobs, kv,
-        router counts)."""
-        heads = (0,) if key[0] == "step" else (0, 0)
-        return jax.tree.structure((*heads, self.kv_cache, 0))
+        """Output structure of an executable: step -> (logits, kv, router counts, hidden), loop -> (tokens, logprobs,
+        kv, router counts)."""
+        return jax.tree.structure((0, self.kv_cache, 0, 0) if key[0] == "step" else (0, 0, self.kv_cache, 0))
 
     def _step_args(self, t: int, s: int, w: int, n_logits: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -410,10 +411,10 @@ class ModelRunner:
 
     def forward(self, rows: Sequence[RowInput]) -> jax.Array:
         """Runs one step; returns float32 logits [L, V]: row i's num_logits rows first after those of rows < i
-        (rows past the sum of num_logits: junk)."""
+        (rows past the sum of num_logits: junk). `last_hidden` [L, D] keeps the hidden states they came from."""
         arrays, (t, s, w, decode_only, n_logits) = self.prepare(rows)
         exe = self._get_step(t, s, w, decode_only, n_logits)
-        logits, self.kv_cache, counts = exe(self.params, self.kv_cache, *arrays)
+        logits, self.kv_cache, counts, self.last_hidden = exe(self.params, self.kv_cache, *arrays)
         self._count_routed(counts)
         return logits
 

@@ -1,12 +1,14 @@
 """The speculative step: propose -> one verify pass -> processed target probs + rejection_sample -> emitted tokens.
 
     before schedule   policy: k_r per running decode row (load + acceptance EMA, serving/core/spec_policy.py)
-                      host proposer (n-gram): Request.spec_token_ids = drafts  |  model proposer: k_r placeholders
+                      host proposer (n-gram, trained heads): Request.spec_token_ids = drafts (the heads: with
+                      their q)  |  model proposer: k_r placeholders
     schedule          the scheduler trims drafts to its budget and takes blocks for them (ScheduledRequest.num_draft)
     after schedule    model proposer: drafts num_draft tokens on the rows' block tables, written into token_ids
     verify            one target pass (runner.forward): rows of 1 + num_draft tokens, logits at each
                       draft rows: min_tokens bans per position -> processed_target_probs -> rejection_sample
                       other rows (prefill ends, rows without drafts): the engine's own sampler
+                      trained heads: each sampled row's hidden state at its last emitted token is kept for them
     after             emitted tokens trimmed at a stop string; policy and proposer observe; Scheduler.update
                       applies stop ids / max_tokens token by token, rolls back rejected drafts' blocks
 
@@ -100,6 +102,7 @@ class SpecDecoder:
         self.policy = policy or SpecPolicy(policy_config(max_k, 0))
         self.counters = SpecCounters()
         self.num_verify_steps = 0
+        self._q: dict = {}  # request -> (draft_probs [n, k, V], its row) of its current drafts (sampling proposers)
 
     scheduler = property(lambda self: self._engine.scheduler)
     runner = property(lambda self: self._engine.runner)
@@ -109,6 +112,12 @@ class SpecDecoder:
     def active(self) -> bool:
         """Whether the policy would draft at the current batch size (else decode loops may chain freely)."""
         return self.policy.load_factor(len(self.scheduler.running)) > 0.0
+
+    def takes(self, out: SchedulerOutput) -> bool:
+        """Whether this step is the SpecDecoder's: it has drafts, or a hidden-state proposer may draft from it."""
+        return any(sr.num_draft for sr in out.scheduled) or (
+            getattr(self.proposer, "needs_hidden", 0) and self.active()
+        )
 
     def before_schedule(self) -> None:
         """Sets each running decode row's spec_token_ids: drafts (host proposer) or k placeholders."""
@@ -125,9 +134,16 @@ class SpecDecoder:
             for r, k in asks:
                 r.spec_token_ids = [0] * k
             return
-        proposal = self.proposer.propose([ProposalRow(r.request_id, r.all_token_ids, k) for r, k in asks])
-        for (r, _), toks, n in zip(asks, proposal.draft_tokens, proposal.num_draft):
+        ask_rows = [ProposalRow(r.request_id, r.all_token_ids, k) for r, k in asks]
+        if getattr(self.proposer, "samples", False):  # drafts drawn from q with each row's sampling parameters
+            proposal = self.proposer.propose(ask_rows, self._sampling_tensors([r for r, _ in asks]))
+        else:
+            proposal = self.proposer.propose(ask_rows)
+        self._q = {}
+        for j, ((r, _), toks, n) in enumerate(zip(asks, proposal.draft_tokens, proposal.num_draft)):
             r.spec_token_ids = [int(t) for t in toks[:n]]
+            if proposal.draft_probs is not None:
+                self._q[r.request_id] = (proposal.draft_probs, j)
 
     def _fill_drafts(self, out: SchedulerOutput) -> None:
         """Model proposers: the real drafts of every row the scheduler kept drafts for."""
@@ -165,8 +181,20 @@ class SpecDecoder:
                 c.emitted + len(emitted),
             )
             sampled[sr.request_id] = self._trim_at_stop(sr.request, emitted)
+        if getattr(self.proposer, "needs_hidden", False):
+            self._record_hidden(out, first, {sr.request_id: int(n) for (_, sr), n in zip(spec, n_emit)})
         self.num_verify_steps += 1
         return sampled, logprobs
+
+    def _record_hidden(self, out: SchedulerOutput, first: np.ndarray, n_emit: dict) -> None:
+        """Hands the proposer each sampled row's hidden state at the position whose logits drew its last token."""
+        rows = [(i, sr, n_emit.get(sr.request_id, 1)) for i, sr in enumerate(out.scheduled) if sr.sample]
+        if rows:
+            index = jnp.asarray([first[i] + n - 1 for i, _, n in rows], jnp.int32)
+            hidden = self.runner.last_hidden[index]  # [n, D], on device
+            self.proposer.record(
+                [sr.request_id for _, sr, _ in rows], [sr.request.num_tokens + n for _, sr, n in rows], hidden
+            )
 
     def _sample_plain(self, out: SchedulerOutput, logits, first: np.ndarray):
         """Rows without drafts that sample: the engine's sampler on their last logit (penalties, logprobs, bans)."""
@@ -199,8 +227,16 @@ class SpecDecoder:
             num_draft[j] = d
             banned[j] = _banned_per_position(sr.request, k1)
         st = pad_sampling(self._sampling_tensors([sr.request for _, sr in spec]), b)
-        tokens, n_emit = _verify_rows(logits, index, banned, st, drafts, num_draft)
+        tokens, n_emit = _verify_rows(logits, index, banned, st, drafts, num_draft, self._draft_probs(spec, b))
         return np.asarray(tokens)[:n], np.asarray(n_emit)[:n]
+
+    def _draft_probs(self, spec: Sequence[tuple[int, object]], b: int):
+        """q [b, max_k, V] of the rows' drafts (sampling proposers), or None (q one-hot at each draft)."""
+        got = [self._q.get(sr.request_id) for _, sr in spec]
+        if not got or any(g is None for g in got):
+            return None
+        q = jnp.stack([g[0][g[1]] for g in got])  # [n, k, V]
+        return jnp.pad(q, ((0, b - q.shape[0]), (0, self.max_k - q.shape[1]), (0, 0)))
 
     def _trim_at_stop(self, req: Request, emitted: list[int]) -> list[int]:
         """Emitted tokens up to the one that completes a stop string (the engine then finishes the request)."""
@@ -249,7 +285,7 @@ def _banned_per_position(req: Request, k1: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit)
-def _verify_rows(logits_lv, index_bk, banned_bkn, st: SamplingTensors, drafts_bk, num_draft_b):
+def _verify_rows(logits_lv, index_bk, banned_bkn, st: SamplingTensors, drafts_bk, num_draft_b, q_bkv=None):
     """Gathers each row's k+1 logits, bans ids per position, processes them as the sampler would, then accepts."""
     l_bkv = logits_lv[index_bk].astype(jnp.float32)  # [B, k+1, V]
     b, k1, v = l_bkv.shape
@@ -259,7 +295,7 @@ def _verify_rows(logits_lv, index_bk, banned_bkn, st: SamplingTensors, drafts_bk
     l_bkv = jnp.where(hit, NEG_INF, l_bkv)
     probs = processed_target_probs(l_bkv, st)
     keys = row_keys(st.seed, st.step)
-    return rejection_sample(probs, None, drafts_bk, num_draft_b, keys)
+    return rejection_sample(probs, q_bkv, drafts_bk, num_draft_b, keys)
 
 
 def make_spec_decoder(engine, model, sampling_tensors, logprob_entry) -> SpecDecoder | None:
@@ -269,6 +305,10 @@ def make_spec_decoder(engine, model, sampling_tensors, logprob_entry) -> SpecDec
         return None
     if spec.method == "ngram":
         proposer: Proposer = NgramProposer()
+    elif spec.method == "medusa":
+        from serving.engine.head_proposer import make_medusa_proposer
+
+        proposer = make_medusa_proposer(engine.runner, spec)
     else:
         from serving.engine.draft_model import make_model_proposer
 

@@ -1,0 +1,212 @@
+"""Trained-head speculation (speculative_method="medusa") on a tiny random model, CPU, XLA attention.
+
+The target has tied embeddings, so at random weights it mostly repeats its last token. Heads: random ones (init
+scale 2: mostly rejected) written to an Orbax checkpoint in a tmp dir and loaded by the engine as a user's would
+be, and zero ones (each head then repeats the target's own next-token guess: mostly accepted here). Greedy output must equal plain decoding token for token under prefix caching, chunked prefill (a
+32-token budget under 40-60-token prompts) and forced preemption, with every KV block back afterwards; the hidden
+state the proposer drafts from must be the target's own at the request's last token; the training pipeline must
+write a checkpoint that loads, and lower its loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from checkpoints.tokenizer import NullTokenizer
+from model.config import ModelConfig
+from model.kv import NoCache
+from model.medusa import HeadsConfig, MedusaHeads, load_heads, save_heads
+from model.transformer import random_model
+from serving.config import EngineConfig
+from serving.core.request import SamplingParams
+from serving.core.scheduler import Scheduler
+from serving.core.spec_policy import SpecPolicy
+from serving.engine.engine import LLMEngine, _logprob_entry, _sampling_tensors
+from serving.engine.head_proposer import MedusaProposer
+from serving.engine.proposers import ProposalRow
+from serving.engine.speculate import SpecDecoder, policy_config
+
+CFG = ModelConfig.tiny(tie_word_embeddings=True)
+K = 3
+OPTIONS = dict(
+    attention_backend="xla",
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    block_size=16,
+    num_kv_blocks=64,
+    decode_steps=4,
+    max_model_len=128,
+    warmup=False,
+    compilation_cache_dir="",
+)
+RNG = np.random.default_rng(0)
+_A = RNG.integers(3, CFG.vocab_size, 50).tolist()
+PROMPTS = [_A, _A[:34] + RNG.integers(3, CFG.vocab_size, 8).tolist(), RNG.integers(3, 500, 60).tolist(), _A[:5]]
+MAX_TOKENS = [40, 30, 24, 36]
+
+
+def _heads(init_scale: float) -> MedusaHeads:
+    return MedusaHeads(HeadsConfig(K, CFG.hidden_size, CFG.vocab_size), rngs=nnx.Rngs(1), init_scale=init_scale)
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory):
+    return save_heads(str(tmp_path_factory.mktemp("heads")), _heads(2.0), {"note": "random"})
+
+
+@pytest.fixture(scope="module")
+def engine(heads_dir):
+    config = EngineConfig.from_kwargs(
+        **OPTIONS, speculative_method="medusa", num_speculative_tokens=K, speculative_model=heads_dir
+    )
+    return LLMEngine(random_model(CFG, jnp.float32, seed=7), NullTokenizer(), config)
+
+
+def _use_scheduler(engine, num_blocks: int) -> Scheduler:
+    c = engine.config
+    engine.scheduler = Scheduler(
+        num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens, engine.max_model_len, True
+    )
+    return engine.scheduler
+
+
+@contextlib.contextmanager
+def _speculating(engine, spec):
+    saved, engine.spec = engine.spec, spec
+    try:
+        yield spec
+    finally:
+        engine.spec = saved
+
+
+def _run(engine, params: SamplingParams, num_blocks: int = 64):
+    sched = _use_scheduler(engine, num_blocks)
+    rids = [engine.add_request(p, dataclasses.replace(params, max_tokens=m)) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    while engine.has_unfinished():
+        engine.step()
+        sched.check_invariants()
+    assert engine.step() == []  # an idle step releases the state kept for finished requests
+    assert sched.block_manager.num_used == sched.cache.num_cached_blocks  # rejected drafts' blocks all came back
+    return [engine.pop_finished(r).request.output_token_ids for r in rids], sched
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    with _speculating(engine, None):
+        return _run(engine, SamplingParams(temperature=0.0, ignore_eos=True))[0]
+
+
+def _decoder(engine, heads) -> SpecDecoder:
+    proposer = MedusaProposer(heads, engine.runner, K)
+    return SpecDecoder(engine, proposer, K, SpecPolicy(policy_config(K, 0)), _sampling_tensors, _logprob_entry)
+
+
+@pytest.mark.parametrize("heads", ["random", "zero"])
+def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(engine, reference, heads):
+    spec = engine.spec if heads == "random" else _decoder(engine, _heads(0.0))
+    assert spec.proposer.name == "medusa"
+    with _speculating(engine, spec):
+        before = spec.counters.as_dict()
+        got, sched = _run(engine, SamplingParams(temperature=0.0, ignore_eos=True), num_blocks=10)
+    assert got == reference
+    assert sched.num_preemptions > 0 and sched.stats().prefix_hit_tokens > 0
+    after = spec.counters.as_dict()
+    m = {k: after[k] - before[k] for k in ("passes", "drafted", "accepted", "emitted")}
+    assert m["passes"] > 0 and m["emitted"] == m["accepted"] + m["passes"]
+    assert not spec.proposer.tracked and not spec.policy.tracked
+    if heads == "random":  # many rejections (rolled back: the block check in _run)
+        assert m["drafted"] - m["accepted"] > 20
+    else:  # the heads repeat the target's guess, and this target repeats itself
+        assert m["accepted"] > 0.5 * m["drafted"]
+    assert "medusa" in spec.metrics()
+
+
+def test_drafts_come_from_the_targets_hidden_state_at_the_last_token(engine):
+    """Mid-run, the state the proposer holds for a request is the target's final-normed hidden state at the
+    position of the request's last token (recomputed here with the contiguous reference path)."""
+    sched = _use_scheduler(engine, 64)
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    req = sched.requests[rid]
+    hidden_nd, row, n = engine.spec.proposer._hidden[rid]
+    assert n == req.num_tokens
+    ids = jnp.asarray(req.all_token_ids[:-1])[None]  # the last token's state is computed from the ones before it
+    model = nnx.merge(engine.runner.graphdef, engine.runner.params)
+    t = ids.shape[1]
+    _, _, want = model(ids, jnp.arange(t)[None], None, NoCache(jnp.array([t])), return_hidden=True)
+    np.testing.assert_allclose(np.asarray(hidden_nd[row]), np.asarray(want[0, -1]), rtol=2e-4, atol=2e-4)
+    engine.abort(rid)
+    engine.step()
+
+
+def test_sampled_drafts_are_drawn_from_q_and_seeded_runs_repeat(engine):
+    proposer = engine.spec.proposer
+    hidden = jax.random.normal(jax.random.key(0), (2, CFG.hidden_size))
+    proposer.record(["g", "s"], [3, 3], hidden)
+    st = _sampling_tensors([_FakeRequest(0.0), _FakeRequest(1.0)])
+    p = proposer.propose([ProposalRow("g", [5, 6, 7], K), ProposalRow("s", [5, 6, 7], 2)], st)
+    q = np.asarray(p.draft_probs)
+    assert p.num_draft.tolist() == [K, 2] and q.shape == (2, K, CFG.vocab_size)
+    np.testing.assert_allclose(q[0].sum(-1), 1.0, atol=1e-5)
+    assert (q[0].max(-1) == 1.0).all() and (q[0].argmax(-1) == p.draft_tokens[0]).all()  # greedy: one-hot
+    assert (q[1, np.arange(2), p.draft_tokens[1, :2]] > 0).all() and (q[1, :2].max(-1) < 1.0).all()
+    proposer.release("g"), proposer.release("s")
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    runs = [_run(engine, params)[0] for _ in range(2)]
+    assert runs[0] == runs[1] and [len(r) for r in runs[0]] == MAX_TOKENS
+
+
+class _FakeRequest:
+    def __init__(self, temperature):
+        self.sampling_params = SamplingParams(temperature=temperature, seed=3)
+        self.num_output_tokens = 0
+        self.output_token_ids = []
+
+
+def test_config_and_checkpoint_refusals(tmp_path, heads_dir):
+    with pytest.raises(ValueError, match="speculative_model is needed by.*medusa"):
+        EngineConfig.from_kwargs(speculative_method="medusa", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="not a heads checkpoint"):
+        load_heads(str(tmp_path / "missing"))
+    heads, notes = load_heads(heads_dir)
+    assert heads.cfg.num_heads == K and notes == {"note": "random"}
+    model = random_model(CFG, jnp.float32, seed=7)
+    from serving.engine.runner import ModelRunner
+
+    runner = ModelRunner(
+        model,
+        num_blocks=4,
+        block_size=16,
+        max_num_seqs=1,
+        max_num_batched_tokens=16,
+        max_model_len=32,
+        attention_backend="xla",
+    )
+    with pytest.raises(ValueError, match="num_speculative_tokens=4 exceeds the 3 heads"):
+        MedusaProposer(heads, runner, 4)
+    other = MedusaHeads(HeadsConfig(K, CFG.hidden_size + 8, CFG.vocab_size))
+    with pytest.raises(ValueError, match="do not fit the target"):
+        MedusaProposer(other, runner, K)
+
+
+def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
+    from serving import train_heads
+    from serving.engine.llm import LLM
+
+    llm = LLM.from_model(random_model(CFG, jnp.float32, seed=3), NullTokenizer(), **{**OPTIONS, "max_num_seqs": 4})
+    prompts = [RNG.integers(3, CFG.vocab_size, 8).tolist() for _ in range(4)]
+    cfg = train_heads.TrainConfig(num_heads=2, steps=12, lr=3e-2, batch_positions=32, top_k=8, eval_fraction=0.0)
+    history = train_heads.run(llm, prompts, 16, 0.0, cfg, str(tmp_path / "h"), log=lambda *_: None)
+    loss = history["loss"]
+    assert len(loss) == 12 and np.mean(loss[-3:]) < np.mean(loss[:3]) - 0.1, loss
+    heads, notes = load_heads(str(tmp_path / "h"))
+    assert heads.cfg == HeadsConfig(2, CFG.hidden_size, CFG.vocab_size) and notes["steps"] == 12
+    assert np.abs(np.asarray(heads.w[...])).max() > 0  # trained away from the zero start
