@@ -2,8 +2,8 @@
 
 `checkpoints.convert --mesh tp=4,pp=2` puts every tensor into its tp=4 NamedSharding and saves; restoring onto
 other meshes (tp=2, pp=2, tp=8, one device) reshards on read and gives back exactly the original parameters,
-each already in the target mesh's sharding (orbax reads only the shards each device holds). The stored array
-metadata records the tp=4 sharding it was written with.
+each already in the target mesh's sharding (orbax reads only the shards each device holds); on a pp mesh each
+layer lands on its stage's devices only. The stored array metadata records the tp=4 sharding it was written with.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ for degrees in (dict(tp=2), dict(pp=2), dict(tp=8), dict(tp=2, pp=2), {}):
     tp = parallel.tp
     wq = restored["layers.0.wq"]
     assert wq.sharding.shard_shape(wq.shape) == (cfg.hidden_size, cfg.q_size // tp), (degrees, wq.sharding)
+    # pp: each layer is read onto its own stage's devices only (model/pipeline.py stacks them from there).
+    for layer in range(cfg.num_layers):
+        stage = layer * parallel.pp // cfg.num_layers
+        stage_devices = set(mesh.devices[:, stage].flat)
+        assert restored[f"layers.{layer}.wq"].sharding.device_set == stage_devices, (degrees, layer)
+    assert restored["embed"].sharding.device_set == set(mesh.devices.flat)
 for bad, message in (("tp=0", "is not"), ("xp=2", "is not"), ("tp=2,tp=2", "twice")):
     try:
         parse_mesh(bad)
