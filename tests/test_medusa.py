@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -129,22 +130,31 @@ def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(engin
 
 
 def test_drafts_come_from_the_targets_hidden_state_at_the_last_token(engine):
-    """Mid-run, the state the proposer holds for a request is the target's final-normed hidden state at the
-    position of the request's last token (recomputed here with the contiguous reference path)."""
-    sched = _use_scheduler(engine, 64)
-    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-    for _ in range(8):
-        engine.step()
-    req = sched.requests[rid]
-    hidden_nd, row, n = engine.spec.proposer._hidden[rid]
-    assert n == req.num_tokens
-    ids = jnp.asarray(req.all_token_ids[:-1])[None]  # the last token's state is computed from the ones before it
+    """After every step, the state the proposer holds for each of two running requests (verify rows with accepted
+    drafts among them) is the target's final-normed hidden state at the request's last token, recomputed here with
+    the contiguous reference path."""
+    spec = _decoder(engine, _heads(0.0))
     model = nnx.merge(engine.runner.graphdef, engine.runner.params)
-    t = ids.shape[1]
-    _, _, want = model(ids, jnp.arange(t)[None], None, NoCache(jnp.array([t])), return_hidden=True)
-    np.testing.assert_allclose(np.asarray(hidden_nd[row]), np.asarray(want[0, -1]), rtol=2e-4, atol=2e-4)
-    engine.abort(rid)
-    engine.step()
+    checked = 0
+    with _speculating(engine, spec):
+        sched = _use_scheduler(engine, 64)
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        rids = [engine.add_request(PROMPTS[i], params) for i in (2, 0)]
+        for _ in range(10):
+            engine.step()
+            for rid in rids:
+                req, got = sched.requests.get(rid), spec.proposer._hidden.get(rid)
+                if req is None or got is None or got[2] != req.num_tokens:
+                    continue
+                ids = jnp.asarray(req.all_token_ids[:-1])[None]  # the last token came from the state before it
+                t = ids.shape[1]
+                _, _, want = model(ids, jnp.arange(t)[None], None, NoCache(jnp.array([t])), return_hidden=True)
+                np.testing.assert_allclose(np.asarray(got[0][got[1]]), np.asarray(want[0, -1]), rtol=1e-4, atol=1e-4)
+                checked += 1
+        for rid in rids:
+            engine.abort(rid)
+        engine.step()
+    assert checked >= 12 and spec.counters.accepted > 0
 
 
 def test_sampled_drafts_are_drawn_from_q_and_seeded_runs_repeat(engine):
@@ -162,6 +172,21 @@ def test_sampled_drafts_are_drawn_from_q_and_seeded_runs_repeat(engine):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
     runs = [_run(engine, params)[0] for _ in range(2)]
     assert runs[0] == runs[1] and [len(r) for r in runs[0]] == MAX_TOKENS
+
+
+def test_verify_gets_each_rows_own_q(engine):
+    """The verify step's draft_probs are, row by row, the q the proposal drew that row's drafts from."""
+    spec, v = engine.spec, CFG.vocab_size
+    q = jnp.arange(2 * 2 * v, dtype=jnp.float32).reshape(2, 2, v)  # a proposal of 2 rows, k_max 2
+    saved, spec._q = spec._q, {"a": (q, 1), "b": (q, 0)}
+    try:
+        rows = [(0, types.SimpleNamespace(request_id="b")), (4, types.SimpleNamespace(request_id="a"))]
+        got = np.asarray(spec._draft_probs(rows, 4))
+    finally:
+        spec._q = saved
+    assert got.shape == (4, K, v)
+    np.testing.assert_array_equal(got[0, :2], q[0]) and np.testing.assert_array_equal(got[1, :2], q[1])
+    assert not got[:, 2:].any() and not got[2:].any()  # padding rows and columns: zeros (never read)
 
 
 class _FakeRequest:
