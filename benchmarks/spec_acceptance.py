@@ -28,12 +28,13 @@ import json
 import os
 import platform
 import subprocess
+import sysconfig
 import time
 
 from serving.engine.proposers import NgramProposer, replay_greedy
 from serving.speculative import expected_tokens_per_pass
 
-STDLIB = "/root/.pyenv/versions/3.11.7/lib/python3.11"
+STDLIB = sysconfig.get_paths()["stdlib"]  # this interpreter's standard library (heapq.py etc. exist in every 3.x)
 LICENSES = "/usr/share/common-licenses"
 CODE_FILES = ("heapq.py", "textwrap.py", "shlex.py")
 PROSE_FILES = ("GPL-3", "Apache-2.0", "MPL-2.0")
