@@ -142,16 +142,23 @@ class PipelinedLayers(nnx.Module):
 
 
 def _stack_placed(states, mesh, head_dim: int):
-    """Per-layer states -> one state of [L, ...] arrays, each put in its rules.py sharding ("layers" on pipeline)."""
+    """Per-layer states -> one state of [L, ...] arrays, the layer axis on "pipeline" and the others as each layer
+    already lies (placed on its stage by sharding/rules.py param_shardings, with whatever layout placement chose),
+    or, for layers not placed yet, as the rules table says for their canonical name."""
     leaves = [jax.tree_util.tree_leaves_with_path(s, is_leaf=lambda x: isinstance(x, QuantizedArray)) for s in states]
     if any(isinstance(v, QuantizedArray) for _, v in leaves[0]):
         raise ValueError("pipeline_parallel_size > 1 needs float weights (quantized linear weights are not stacked)")
     stacked = []
-    for i, (path, _) in enumerate(leaves[0]):
-        keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
-        name = _PATH_NAMES[tuple(k for k in keys if k != "value")]
-        value = np.stack([np.asarray(layer[i][1]) for layer in leaves])
-        spec = param_partition_spec(f"layers.0.{name}", value.shape, mesh, head_dim=head_dim)
+    for i, (path, first) in enumerate(leaves[0]):
+        value = np.stack([np.asarray(layer[i][1]) for layer in leaves])  # through the host: one leaf at a time
+        sharding = getattr(first, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            inner = tuple(sharding.spec) + (None,) * (first.ndim - len(sharding.spec))
+            spec = PartitionSpec(PIPELINE, *inner)
+        else:
+            keys = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+            name = _PATH_NAMES[tuple(k for k in keys if k != "value")]
+            spec = param_partition_spec(f"layers.0.{name}", value.shape, mesh, head_dim=head_dim)
         stacked.append(jax.device_put(value, NamedSharding(mesh, spec)))
     return jax.tree.unflatten(jax.tree.structure(states[0]), stacked)
 

@@ -150,9 +150,9 @@ class ModelRunner:
     ):
         self.cfg = model.cfg
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), devices=jax.devices()[:1])
-        self.pipelined = num_stages(self.mesh) > 1  # layers in stages, the KV pool stacked (model/pipeline.py)
-        model = pipelined(model, self.mesh) if self.pipelined else model
-        self.graphdef, self.params = nnx.split(self._place(model))
+        self.pipelined = num_stages(self.mesh) > 1  # layers stacked into stages, the KV pool too (model/pipeline.py)
+        model = self._place(model)  # sharding/rules.py, in place: each layer on its stage's devices
+        self.graphdef, self.params = nnx.split(pipelined(model, self.mesh) if self.pipelined else model)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks = -(-max_model_len // block_size)
