@@ -158,12 +158,17 @@ def load_model():
     return llm.model, llm.tokenizer, time.perf_counter() - t0
 
 
+_LEADING: list = []  # engines this process leads in a multi-host job (their followers are released at the end)
+
+
 def make_engine(model, tokenizer, max_model_len: int, num_seqs: int):
     """An engine whose KV pool holds num_seqs sequences of max_model_len (the static reservation), all buckets
     compiled. Returns (engine, compile seconds)."""
     import jax
 
     from serving.engine.engine import LLMEngine
+    from sharding import multihost
+    from sharding.config import check_parallel
 
     bs = FLAGS.block_size
     max_model_len = -(-max_model_len // bs) * bs
@@ -175,7 +180,16 @@ def make_engine(model, tokenizer, max_model_len: int, num_seqs: int):
         attention_backend=backend,
         warmup=False,  # warmed up below, inside the timing
     )
+    check_parallel(config.parallel, model.cfg, jax.device_count())  # the wrong number named before anything else
+    if config.data_parallel_size > 1:
+        raise app.UsageError(
+            f"--data_parallel_size={config.data_parallel_size}: the offline modes time one engine; --mode serving "
+            "benchmarks the replicas behind a server"
+        )
     engine = LLMEngine(model, tokenizer, config)
+    if not multihost.lead_or_follow(engine):  # a follower of a multi-host job: replayed process 0's run
+        sys.exit(0)
+    _LEADING.append(engine)
     t0 = time.perf_counter()
     engine.warmup()
     warm_sampler(engine)
@@ -605,6 +619,16 @@ def main(argv) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.prompt_len_min > FLAGS.prompt_len_max:
         raise app.UsageError("--prompt_len_min must be <= --prompt_len_max")
+    try:
+        multihost = engine_flags.initialize_multihost_from_flags()  # before anything touches a device
+        if multihost and FLAGS.mode == "serving":
+            raise ValueError(
+                "--num_processes > 1 with --mode serving: start the server's processes (python -m serving.server "
+                "... --num_processes N --process_id i) and pass --base_url"
+            )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if FLAGS.mode == "serving":
         results = mode_serving(argv[1:])
         from benchmarks.bench_serving import host_device
@@ -619,7 +643,16 @@ def main(argv) -> None:
             "prefix_cache": mode_prefix_cache,
             "latency": mode_latency,
         }[FLAGS.mode]
-        results = run_mode(model, tokenizer, model.cfg.vocab_size)
+        try:
+            results = run_mode(model, tokenizer, model.cfg.vocab_size)
+        except ValueError as e:  # an engine that cannot start (a mesh the devices or the model do not fit)
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        finally:
+            from sharding import multihost as multihost_lib
+
+            for engine in _LEADING:
+                multihost_lib.stop_followers(engine)
         results["load_s"] = load_s
         dev = jax.devices()[0]
         name = model.cfg.name

@@ -311,10 +311,8 @@ class EngineConfig:
             section = getattr(self, f.name)
             if not isinstance(section, f.default_factory):
                 raise ValueError(f"EngineConfig.{f.name} must be a {f.default_factory.__name__}, got {section!r}")
-        # tensor / expert / pipeline parallel: built; the model-dependent checks (heads, experts, layers, device
-        # count) run when the engine builds its mesh (sharding/config.py check_parallel).
-        if self.data_parallel_size != 1:
-            _not_supported_yet("data_parallel_size", self.data_parallel_size)
+        # data / tensor / expert / pipeline parallel: built; the model-dependent checks (heads, experts, layers,
+        # device count) run when the engine builds its meshes (sharding/config.py check_parallel).
         if self.pipeline_parallel_size > 1 and self.speculative.method == "self":  # it lends the target's layer KV
             raise ValueError("pipeline_parallel_size > 1 and speculative_method='self' do not combine yet")
         length, blocks, bs = self.model.max_model_len, self.cache.num_kv_blocks, self.cache.block_size

@@ -9,6 +9,8 @@ flags, so a binary imports it before absl parses argv.
 
 from __future__ import annotations
 
+import dataclasses
+
 from absl import flags
 
 from serving.config import (
@@ -52,6 +54,10 @@ flags.DEFINE_integer("data_parallel_size", _D.parallel.dp, "data-parallel engine
 flags.DEFINE_integer("tensor_parallel_size", _D.parallel.tp, "devices each layer is split across")
 flags.DEFINE_integer("pipeline_parallel_size", _D.parallel.pp, "pipeline stages")
 flags.DEFINE_integer("expert_parallel_size", _D.parallel.ep, "devices the MoE experts are split across")
+# Multi-host: one engine over the devices of several processes (sharding/multihost.py); process 0 leads
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0, where jax.distributed joins the processes")
+flags.DEFINE_integer("num_processes", 1, "processes in the job (1: this process alone, no jax.distributed)")
+flags.DEFINE_integer("process_id", 0, "this process's rank (0 schedules, prints and serves; the others replay)")
 # Speculative decoding and quantisation
 flags.DEFINE_enum("speculative_method", _D.speculative.method, list(SPECULATIVE_METHODS), "speculative decoding")
 flags.DEFINE_integer("num_speculative_tokens", _D.num_speculative_tokens, "tokens proposed per speculative step")
@@ -104,3 +110,44 @@ def engine_config_from_flags(**overrides) -> EngineConfig:
 def changed_engine_flags() -> list[str]:
     """`--name=value` for every engine flag set away from its default (to hand on to a child server)."""
     return [FLAGS[n].serialize() for n in ENGINE_FLAGS if FLAGS[n].value != FLAGS[n].default and FLAGS[n].serialize()]
+
+
+MULTIHOST_FLAGS = ("coordinator_address", "num_processes", "process_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultihostSettings:
+    """The multi-host flags, validated (the arguments of sharding/multihost.py `initialize`)."""
+
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self):
+        n, rank = self.num_processes, self.process_id
+        if n < 1:
+            raise ValueError(f"num_processes must be >= 1, got {n}")
+        if not 0 <= rank < n:
+            raise ValueError(f"process_id={rank} must be in [0, num_processes={n})")
+        if n > 1 and not self.coordinator_address:
+            raise ValueError(f"num_processes={n} needs --coordinator_address (host:port of process 0)")
+
+
+def multihost_from_flags() -> MultihostSettings:
+    """Raises ValueError naming the flag for a bad rank or count, or several processes without a coordinator."""
+    return MultihostSettings(**{name: FLAGS[name].value for name in MULTIHOST_FLAGS})
+
+
+def initialize_multihost_from_flags() -> bool:
+    """Joins the multi-process job the flags describe (jax.distributed.initialize) before anything touches a
+    device; False for one process. Call it in a binary's main before building the engine.
+
+    Raises:
+        ValueError: see `multihost_from_flags`.
+    """
+    settings = multihost_from_flags()
+    if settings.num_processes == 1:
+        return False
+    from sharding.multihost import initialize  # imports JAX: only a multi-process job pays for it here
+
+    return initialize(settings.coordinator_address, settings.num_processes, settings.process_id)

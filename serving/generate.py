@@ -8,6 +8,9 @@
 The engine flags (--model, --dtype, --max_num_seqs, --block_size, ... : serving/flags.py) are shared with
 serving/server.py and benchmarks/bench.py; the flags below say what to generate.
 
+Multi-host: start one process per host with --coordinator_address host:port --num_processes N --process_id i
+(the same other flags everywhere); the engine spans every process's devices, process 0 generates and prints.
+
 Prints each completion with its time to first token and decode speed. Over a --prompts_file, a progress bar
 on stderr counts finished prompts, tokens and tokens/s (tqdm when it is installed, else one line rewritten in
 place). Bad flags and unreadable files end with one clear line on stderr and exit status 2.
@@ -114,10 +117,22 @@ def run(argv) -> int:
     if settings.prompts_file:
         prompts += read_prompts_file(settings.prompts_file)
     prompts = prompts or list(BUILTIN_PROMPTS)
+    multihost = engine_flags.initialize_multihost_from_flags()  # before anything touches a device
 
     from serving.engine.llm import LLM
+    from sharding import multihost as multihost_lib
 
     llm = LLM.from_config(config)
+    if multihost and not multihost_lib.lead_or_follow(llm.engine):
+        return 0  # a follower: it replayed process 0's steps, and process 0 prints
+    try:
+        return _generate_and_print(llm, settings, prompts)
+    finally:
+        if multihost:
+            multihost_lib.stop_followers(llm.engine)
+
+
+def _generate_and_print(llm, settings: GenerateSettings, prompts: list) -> int:
     print(f"loaded {llm.name} in {llm.load_seconds:.1f}s", file=sys.stderr)
     texts = [llm.tokenizer.apply_chat_template(p) if isinstance(p, list) else p for p in prompts]
 

@@ -6,6 +6,8 @@ python -m serving.server --model m.gguf --port 9000 --api_key secret --max_num_s
 
 The engine flags (serving/flags.py) are shared with serving/generate.py and benchmarks/bench.py; the flags
 below are the server's own. `--warmup` defaults to on here: every step bucket compiles before /health says ok.
+Multi-host: one process per host with --coordinator_address host:port --num_processes N --process_id i (the same
+engine flags everywhere); process 0 serves HTTP, the others replay its engine steps on their devices.
 """
 
 from __future__ import annotations
@@ -66,15 +68,24 @@ def main(argv) -> int:
         return 2
     try:
         engine_config, server_config = configs_from_flags()
+        multihost = engine_flags.initialize_multihost_from_flags()  # before anything touches a device
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if multihost and FLAGS.process_id != 0:
+        return _follow(engine_config)
+    loaded = []
 
     def load():
         from serving.engine.llm import LLM
+        from sharding import multihost as multihost_lib
 
-        return LLM.from_config(engine_config)
+        llm = LLM.from_config(engine_config)
+        if multihost:  # process 0 of a multi-host job: its runner calls are broadcast from the first step on
+            multihost_lib.lead_or_follow(llm.engine)
+            loaded.append(llm)
+        return llm
 
     asgi = create_app(
         load,
@@ -101,11 +112,25 @@ def main(argv) -> int:
         drain_timeout_s=server_config.drain_timeout_s,
     )
     server.run()
+    if loaded:  # the engine thread has stopped: no step races the followers' release
+        from sharding import multihost as multihost_lib
+
+        multihost_lib.stop_followers(loaded[0].engine)
     load_error = asgi.state.server.engine.load_error
     if load_error is not None:
         print(f"error: cannot load the model: {load_error}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def _follow(engine_config: EngineConfig) -> int:
+    """A process other than 0 of a multi-host server: builds the same engine, replays process 0's steps until it
+    stops (sharding/multihost.py), serves nothing."""
+    from serving.engine.llm import LLM
+    from sharding import multihost as multihost_lib
+
+    multihost_lib.lead_or_follow(LLM.from_config(engine_config).engine)
+    return 0
 
 
 def entry():

@@ -131,4 +131,34 @@ def leader_is_me() -> bool:
     return jax.process_index() == 0
 
 
-__all__ = ["LeaderRunner", "broadcast_object", "follow", "initialize", "leader_is_me"]
+def lead_or_follow(engine) -> bool:
+    """What a binary does with its engine in a multi-process job, once every process has built it the same way.
+
+    Process 0 (or a single process): its runner becomes a LeaderRunner (a no-op alone) and True comes back: go on
+    and generate or serve, then `stop_followers(engine)`. Any other process: replays process 0's runner calls
+    until they stop, then returns False: exit.
+    """
+    if jax.process_count() == 1:
+        return True
+    if leader_is_me():
+        engine.runner = LeaderRunner(engine.runner)
+        return True
+    follow(engine.runner)
+    return False
+
+
+def stop_followers(engine) -> None:
+    """Ends the followers' replay loops (process 0 of a multi-process job; a no-op otherwise)."""
+    if isinstance(engine.runner, LeaderRunner):
+        engine.runner.stop_followers()
+
+
+__all__ = [
+    "LeaderRunner",
+    "broadcast_object",
+    "follow",
+    "initialize",
+    "lead_or_follow",
+    "leader_is_me",
+    "stop_followers",
+]

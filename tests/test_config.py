@@ -119,16 +119,16 @@ def test_unknown_option_is_named_with_a_suggestion():
         EngineConfig.from_kwargs(frobnicate=1)
 
 
-@pytest.mark.parametrize(
-    "option,value",
-    # kv_cache_dtype and quantization are built (tests/test_quant_engine.py); ngram, draft, self and medusa
-    # speculation too (tests/test_spec_engine.py, tests/test_medusa.py); tensor / expert parallel:
-    # tests/test_parallel_engine.py
-    [("data_parallel_size", 2)],  # pipeline parallel: tests/test_parallel_pipeline.py
-)
-def test_features_not_built_yet_are_refused(option, value):
-    with pytest.raises(ValueError, match=f"{option}={value!r} is not supported yet"):
-        EngineConfig.from_kwargs(**{option: value})
+def test_features_once_refused_are_built():
+    """kv_cache_dtype and quantization (tests/test_quant_engine.py), ngram / draft / self / medusa speculation
+    (tests/test_spec_engine.py, tests/test_medusa.py), tensor / expert parallel (tests/test_parallel_engine.py),
+    pipeline (tests/test_parallel_pipeline.py) and data parallel (tests/test_parallel_data.py): no option value is
+    refused as "not supported yet" any more; degrees are accepted here and checked against the model and the
+    devices at start-up (sharding/config.py check_parallel)."""
+    from sharding.config import ParallelConfig
+
+    degrees = dict(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2)
+    assert EngineConfig.from_kwargs(**degrees).parallel == ParallelConfig(dp=2, tp=2, pp=2, ep=2)
 
 
 def test_config_modules_import_no_jax():
@@ -168,6 +168,9 @@ BINARY_VALUES = dict(
     seed=3,
     chat=True,
     warmup_run=False,
+    coordinator_address="10.0.0.1:1234",
+    num_processes=2,  # refused alone: it needs a coordinator
+    process_id=1,  # refused alone: one process has rank 0 only
 )
 
 
@@ -208,6 +211,8 @@ def test_every_flag_reaches_a_config(name):
         if name in FLAT_OPTIONS:
             assert _arrived(name, value, lambda: srv_main.configs_from_flags()[0]), f"--{name} (server)"
             assert _arrived(name, value, engine_flags.engine_config_from_flags), f"--{name} (generate)"
+        elif name in engine_flags.MULTIHOST_FLAGS:  # every binary: serving/generate.py, server.py, bench
+            assert _arrived(name, value, engine_flags.multihost_from_flags), f"--{name}"
         elif name in {f.name for f in dataclasses.fields(ServerConfig)}:
             assert _arrived(name, value, lambda: srv_main.configs_from_flags()[1]), f"--{name}"
         else:

@@ -149,5 +149,6 @@ def test_invalid_meshes_are_refused():
     assert EngineConfig.from_kwargs(tensor_parallel_size=4, expert_parallel_size=2).parallel == ParallelConfig(
         tp=4, ep=2
     )
-    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported yet"):
-        EngineConfig.from_kwargs(data_parallel_size=2)
+    assert EngineConfig.from_kwargs(data_parallel_size=2).parallel == ParallelConfig(dp=2)  # test_parallel_data.py
+    with pytest.raises(ValueError, match="data_parallel_size=2 x tensor_parallel_size=8 x .* needs 16 devices"):
+        check_parallel(ParallelConfig(dp=2, tp=8), ModelConfig.tiny(num_heads=8), 8)

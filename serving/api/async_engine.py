@@ -271,6 +271,10 @@ class AsyncEngine:
             self.engine = self._factory()
             if self._warmup is not None:
                 self._warmup(self.engine)
+        except ValueError as e:  # a configuration the model or the devices refuse: its message says which
+            log.error("engine failed to load: %s", e)
+            self.load_error = e
+            return
         except Exception as e:  # noqa: BLE001 - reported through /health and every request
             log.exception("engine failed to load")
             self.load_error = e
@@ -445,8 +449,15 @@ class AsyncEngine:
             num_steps=self.engine.num_steps,
             num_step_failures=self.stats.num_step_failures,
             speculative=spec.metrics() if (spec := getattr(self.engine, "spec", None)) is not None else {},
-            router_tokens=self.engine.runner.router_load() if hasattr(self.engine, "runner") else None,
+            router_tokens=_router_load(self.engine),
         )
+
+
+def _router_load(engine):
+    """MoE router statistics of an LLMEngine (its runner's) or a DataParallelEngine (summed over the replicas)."""
+    if hasattr(engine, "runner"):
+        return engine.runner.router_load()
+    return engine.router_load() if hasattr(engine, "router_load") else None
 
 
 def _deliver(batch: list[tuple[RequestStream, list[RequestOutput]]]) -> None:

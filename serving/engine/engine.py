@@ -59,9 +59,10 @@ class LLMEngine:
       model: the Flax NNX decoder.
       tokenizer: checkpoints.tokenizer.Tokenizer (detokenisation, stop strings).
       config: the validated EngineConfig (serving/config.py); its max_model_len defaults to the model's.
+      devices: where the mesh goes (default: the first devices of the job); a data-parallel replica's slice.
     """
 
-    def __init__(self, model, tokenizer, config: EngineConfig):
+    def __init__(self, model, tokenizer, config: EngineConfig, devices: Sequence[jax.Device] | None = None):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a serving.config.EngineConfig, got {type(config).__name__}")
         self.config = c = config
@@ -95,7 +96,7 @@ class LLMEngine:
             kv_dtype=kv_dtype,
             max_logits_per_row=1 + c.speculative.num_speculative_tokens,  # a verify row: last token + k drafts
             executable_cache_dir=_executable_dir(c.compilation_cache_dir),
-            mesh=_mesh(c, model.cfg),
+            mesh=_mesh(c, model.cfg, devices),
         )
         self.scheduler = Scheduler(
             num_blocks,
@@ -370,10 +371,16 @@ class LLMEngine:
         progress(sum(rid not in self._tracks for rid in rids), len(rids), tokens)
 
 
-def _mesh(c: EngineConfig, model_cfg) -> jax.sharding.Mesh:
-    """The runner's mesh from the parallel degrees (refused with the wrong flag named when the model cannot split)."""
-    check_parallel(c.parallel, model_cfg, jax.device_count())
-    return make_mesh(c.parallel, devices=jax.devices()[: c.parallel.num_devices])
+def _mesh(c: EngineConfig, model_cfg, devices=None) -> jax.sharding.Mesh:
+    """The runner's mesh from the parallel degrees (refused with the wrong flag named when the model cannot split),
+    over `devices` (a data-parallel replica's slice) or the first devices of the job."""
+    check_parallel(c.parallel, model_cfg, jax.device_count() if devices is None else len(devices))
+    if c.parallel.dp > 1:
+        raise ValueError(
+            f"data_parallel_size={c.parallel.dp}: one LLMEngine is one replica; serving/engine/data_parallel.py "
+            "make_engine builds the replicas"
+        )
+    return make_mesh(c.parallel, devices=(jax.devices() if devices is None else devices)[: c.parallel.num_devices])
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:

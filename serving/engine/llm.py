@@ -34,7 +34,7 @@ from model.transformer import Transformer, build_model, model_params
 from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, SamplingParams
 from serving.engine import scoring, weights
-from serving.engine.engine import LLMEngine
+from serving.engine.data_parallel import make_engine
 from serving.engine.executable_cache import caches_compiled_code
 from serving.engine.scoring import ScoreOutput
 
@@ -210,7 +210,7 @@ class LLM:
             if len(ids) + len(cont) > self.max_model_len:
                 raise ValueError(f"{len(ids) + len(cont)} tokens exceed the context length {self.max_model_len}")
             pairs.append((ids, cont))
-        return scoring.score(self.engine, pairs)
+        return scoring.score(getattr(self.engine, "replicas", [self.engine])[0], pairs)  # dp > 1: on replica 0
 
     def update_weights(self, params, *, drain: bool = False) -> None:
         """Swaps the parameters in place: the compiled steps are reused (nothing recompiles) and the new values are
@@ -232,15 +232,17 @@ class LLM:
         if self._engine is None:
             weights.update_module(self.model, canonical)
         else:
-            scoring.require_idle(self._engine, "update_weights", drain)
-            runner = self._engine.runner
-            weights.update_runner(runner, canonical)
-            nnx.update(self.model, runner.params)
-            cache = self._engine.scheduler.cache
-            if cache is not None:
-                cache.clear()  # nothing runs, so nothing is locked: every block goes back to the pool
-                if cache.num_cached_blocks:
-                    raise RuntimeError(f"update_weights: {cache.num_cached_blocks} prefix-cache blocks stay locked")
+            replicas = getattr(self._engine, "replicas", [self._engine])  # data parallel: every replica's copy
+            for engine in replicas:
+                scoring.require_idle(engine, "update_weights", drain)
+            for engine in replicas:
+                weights.update_runner(engine.runner, canonical)
+                cache = engine.scheduler.cache
+                if cache is not None:
+                    cache.clear()  # nothing runs, so nothing is locked: every block goes back to the pool
+                    if cache.num_cached_blocks:
+                        raise RuntimeError(f"update_weights: {cache.num_cached_blocks} prefix-cache blocks stay locked")
+            nnx.update(self.model, replicas[0].runner.params)
         self.weights_version += 1
 
     @property
@@ -251,7 +253,7 @@ class LLM:
     @property
     def engine(self):
         if self._engine is None:
-            self._engine = LLMEngine(self.model, self.tokenizer, self.engine_config)
+            self._engine = make_engine(self.model, self.tokenizer, self.engine_config)  # dp > 1: replicas
         return self._engine
 
     def generate(

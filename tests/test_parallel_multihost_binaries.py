@@ -1,0 +1,167 @@
+"""The binaries' multi-host flags (issue 14 item 5): `python -m serving.generate --coordinator_address ...
+--num_processes 2 --process_id i` as 2 processes on loopback, 4 CPU devices each, one tp=8 engine over the 8:
+process 0 prints the same completions as one single-device process, process 1 prints none. Bad multi-host flags
+end at start-up with a message naming the flag.
+
+The model is a random tiny Llama (8 query / 2 KV heads, so tp=8 repeats each KV head) saved as an Orbax
+checkpoint with a byte-level tokenizer, so the binary loads it like any model directory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = [
+    "--attention_backend=xla",
+    "--compilation_cache_dir=",
+    "--max_num_seqs=2",
+    "--max_num_batched_tokens=16",  # the 2 prompts' prefill is chunked
+    "--block_size=4",
+    "--num_kv_blocks=80",
+    "--max_model_len=64",
+    "--decode_steps=4",
+    "--max_tokens=10",
+    "--nowarmup_run",
+    "--prompt=Hello there, sea",
+    "--prompt=abc",
+]
+
+
+def _tiny_checkpoint(directory: str) -> None:
+    import jax.numpy as jnp
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from checkpoints import orbax_io
+    from checkpoints.tokenizer import Tokenizer
+    from model.config import ModelConfig
+    from model.transformer import model_params, random_model
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    tokenizer = Tokenizer(hf, eos_token_ids=(0,))
+    cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, vocab_size=len(vocab), eos_token_ids=(0,))
+    orbax_io.save(directory, cfg, model_params(random_model(cfg, jnp.float32, seed=3)), tokenizer)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _generate(args: list[str], devices: int) -> subprocess.Popen:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONPATH": ROOT}
+    return subprocess.Popen(
+        [sys.executable, "-m", "serving.generate", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _completions(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("completion (")]
+
+
+@pytest.mark.slow
+def test_generate_as_two_processes_matches_one(tmp_path):
+    model = str(tmp_path / "tiny")
+    _tiny_checkpoint(model)
+    port = str(_free_port())
+    multi = [
+        _generate(
+            [f"--model={model}", *COMMON, "--tensor_parallel_size=8", f"--coordinator_address=127.0.0.1:{port}"]
+            + ["--num_processes=2", f"--process_id={i}"],
+            devices=4,
+        )
+        for i in range(2)
+    ]
+    single = _generate([f"--model={model}", *COMMON], devices=1)
+    replicas = _generate([f"--model={model}", *COMMON, "--data_parallel_size=2", "--tensor_parallel_size=2"], 8)
+    procs = [*multi, single, replicas]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for name, p, (out, err) in zip(("process 0", "process 1", "single", "dp2 x tp2"), procs, outs):
+        assert p.returncode == 0, f"{name}:\n{out[-2000:]}\n{err[-4000:]}"
+    want = _completions(outs[2][0])
+    assert len(want) == 2 and all("(10 tokens" in line for line in want), outs[2][0]
+    assert _completions(outs[0][0]) == want, (outs[0][0], outs[2][0])
+    assert _completions(outs[3][0]) == want, (outs[3][0], outs[2][0])  # data parallel through the binary
+    follower = [line for line in outs[1][0].splitlines() if not line.startswith("[Gloo]")]  # gloo's own chatter
+    assert follower == [] and "loaded" not in outs[1][1], outs[1]  # process 0 alone prints
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num_processes=2"], "num_processes=2 needs --coordinator_address"),
+        (["--num_processes=2", "--process_id=2", "--coordinator_address=127.0.0.1:1"], "process_id=2 must be in"),
+        (["--num_processes=0"], "num_processes must be >= 1, got 0"),
+    ],
+)
+def test_bad_multihost_flags_are_refused(flags, message):
+    proc = _generate(["--nowarmup_run", *flags], devices=1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and message in err and "Traceback" not in err, (out, err)
+
+
+def _binary(module: str, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("serving.generate", ["--nowarmup_run", "--max_tokens=2"]),
+        ("serving.server", ["--port=0", "--nowarmup"]),
+        ("benchmarks.bench", ["--mode=latency", "--random_weights", "--model_preset=tiny", "--context=8"]),
+    ],
+    ids=["generate", "server", "bench"],
+)
+def test_binaries_refuse_a_mesh_that_does_not_fit(module, args, tmp_path):
+    """The parallel flags reach the engine of every binary, and a mesh with more devices than exist (8 here) or
+    heads that do not divide stops it at start-up with the wrong number named (the default SmolLM2 has 9 heads,
+    the tiny preset 4)."""
+    heads = "num_heads=4" if module == "benchmarks.bench" else "num_heads=9"
+    cases = [
+        (
+            [
+                "--data_parallel_size=2",
+                "--tensor_parallel_size=2",
+                "--expert_parallel_size=1",
+                "--pipeline_parallel_size=4",
+            ],
+            "data_parallel_size=2 x tensor_parallel_size=2 x pipeline_parallel_size=4 x expert_parallel_size=1 needs 16 "
+            "devices; only 8 exist",
+        ),
+        (
+            ["--tensor_parallel_size=8"] if module == "benchmarks.bench" else ["--tensor_parallel_size=2"],
+            f"does not divide {heads}",
+        ),
+    ]
+    for flags, message in cases:
+        proc = _binary(
+            module, [*args, f"--out_dir={tmp_path}", *flags] if module == "benchmarks.bench" else [*args, *flags]
+        )
+        assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stdout[-2000:], proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
