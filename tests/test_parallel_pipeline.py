@@ -210,3 +210,20 @@ def test_engine_options_accept_pipeline():
     )
     with pytest.raises(ValueError, match="speculative_method='self' do not combine"):
         EngineConfig.from_kwargs(pipeline_parallel_size=2, speculative_method="self", num_speculative_tokens=2)
+
+
+def test_copy_stage_pages_copies_every_layer():
+    """Copy-on-write in the stacked pool: page dst := page src in every layer, pages and scales, nothing else."""
+    import jax.numpy as jnp
+
+    from model.pipeline import copy_stage_pages
+
+    rng = np.random.default_rng(0)
+    pages = rng.standard_normal((3, 2, 6, 4, 8)).astype(np.float32)  # [L, Hkv, P, ps, hd]
+    scales = rng.standard_normal((3, 2, 6, 4)).astype(np.float32)  # [L, Hkv, P, ps]
+    src, dst = jnp.asarray([4, 0], jnp.int32), jnp.asarray([1, 0], jnp.int32)  # 4 -> 1, and the null self-copy
+    (got,) = copy_stage_pages([(jnp.asarray(pages), jnp.asarray(pages), jnp.asarray(scales))], src, dst)
+    want_pages, want_scales = pages.copy(), scales.copy()
+    want_pages[:, :, 1], want_scales[:, :, 1] = pages[:, :, 4], scales[:, :, 4]
+    for a, want in zip(got, (want_pages, want_pages, want_scales)):
+        np.testing.assert_array_equal(np.asarray(a), want)
