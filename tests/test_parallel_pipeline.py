@@ -14,7 +14,7 @@ caching: a second batch shares a cached prompt's blocks) and checks, per mesh:
 
 SCHEDULE runs PipelinedLayers directly: its busy-tick counters (measured inside the compiled program) equal the
 GPipe table, m of m + p - 1 ticks per stage, and the layers' output equals the unsplit layers'; the Pallas ragged
-kernel (interpreter) agrees with the reference on every chunk's metadata.
+kernel (interpreter) agrees with the reference on every chunk's metadata. HLO reads the compiled step's collectives.
 """
 
 from __future__ import annotations
@@ -135,6 +135,35 @@ for j in range(4):
 print("ok", json.dumps(out))
 """
 
+HLO = r"""
+import json, re
+import jax
+from model.config import ModelConfig
+from model.transformer import random_model
+from serving.engine.runner import ModelRunner
+from sharding.mesh import ParallelConfig, make_mesh
+
+COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, num_layers=4)
+d, out = cfg.hidden_size, {}
+for tp, pp in ((1, 2), (1, 4), (2, 2)):
+    mesh = make_mesh(ParallelConfig(tp=tp, pp=pp), devices=jax.devices()[: tp * pp])
+    runner = ModelRunner(random_model(cfg), num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                         max_model_len=32, attention_backend="xla", mesh=mesh)
+    for decode_only, t in ((False, 16), (True, 4)):
+        text = runner._get_step(t, 4, runner.width_buckets[0], decode_only, 4).as_text()
+        ops = [(m.group(2), m.group(1).split("{")[0]) for m in COLLECTIVE.finditer(text)]
+        mb = f"f32[{t // pp},{d}]"  # one microbatch's activations (m = pp microbatches)
+        # Only activations move: every collective's last dimension is D (never a KV page or a weight), the one
+        # stage hand-off per tick is a microbatch, and TP keeps its 2 all-reduces per layer of the stage program.
+        assert all(shape.endswith(f",{d}]") for _, shape in ops), (tp, pp, ops)
+        assert ops.count(("collective-permute", mb)) == 1, (tp, pp, ops)
+        per_layer = [o for o in ops if o == ("all-reduce", f"f32[1,{t // pp},{d}]")]
+        assert len(per_layer) == (2 * cfg.num_layers // pp if tp > 1 else 0), (tp, pp, ops)
+        out[f"tp{tp}xpp{pp}{'d' if decode_only else 'r'}"] = len(ops)
+print("ok", json.dumps(out))
+"""
+
 
 def _run(script: str, *args: str) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,3 +256,11 @@ def test_copy_stage_pages_copies_every_layer():
     want_pages[:, :, 1], want_scales[:, :, 1] = pages[:, :, 4], scales[:, :, 4]
     for a, want in zip(got, (want_pages, want_pages, want_scales)):
         np.testing.assert_array_equal(np.asarray(a), want)
+
+
+@pytest.mark.slow
+def test_pipeline_compiled_step_moves_only_activations():
+    """The compiled step of pp 2 / 4 and tp 2 x pp 2: one microbatch ppermute per tick, the TP all-reduces of one
+    stage's layers, nothing that moves KV pages or weights between stages."""
+    out = _run(HLO)
+    assert set(out) == {f"tp{t}xpp{p}{k}" for t, p in ((1, 2), (1, 4), (2, 2)) for k in "dr"}
