@@ -9,6 +9,8 @@
                                           into w; int8 weights per channel, int8 activations per token
     fp8_w8a8(w, x=None)                   W8A8 fp8: per-channel e4m3 weights; activations per token (dynamic) or
                                           with one static scale calibrated on x
+    fp8_calibrated(w, x)                  W8A16 fp8 whose per-channel scales minimise the activation-weighted
+                                          squared weight error (the scale search below)
 
 Calibration inputs x are the activations that reach the layer [T, K] (float32). Scales are floored at a tiny
 positive value, so an all-zero column or group never yields a zero or NaN scale.
@@ -91,6 +93,44 @@ def rtn(w_kn, fmt: str, *, group_size: int = 128, asymmetric: bool = False, per_
 
 
 # ---------------------------------------------------------------------------------------------------------
+# fp8 scales chosen on calibration inputs.
+# ---------------------------------------------------------------------------------------------------------
+FP8_SCALE_STEPS = 32  # candidate scales per octave
+
+
+def _fp8_roundtrip(w, scale):
+    return jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+
+
+@functools.partial(jax.jit, static_argnames=("steps",))
+def fp8_channel_scales(w_kn, x_tk, steps: int = FP8_SCALE_STEPS) -> jax.Array:
+    """Per-output-channel e4m3 scales [N] minimising sum_k E[x_k^2] (w_kn - Q(w_kn))^2 (the diagonal of the
+    output error's Hessian), over amax / 448 * 2^(-j / steps), j < steps.
+
+    Why a search: e4m3 keeps 3 mantissa bits, so its error is relative and depends on where each value falls
+    inside its binade; amax / 448 pins only the largest value and leaves the rest wherever the scale puts them.
+    One octave of candidates covers every placement (a factor 2 moves every value by one exponent, same error)."""
+    w = jnp.asarray(w_kn, jnp.float32)
+    x = jnp.asarray(x_tk, jnp.float32)
+    h_k = jnp.mean(x * x, axis=0)[:, None]  # [K, 1]
+    amax = _safe(jnp.max(jnp.abs(w), axis=0) / FP8_MAX)  # [N]
+    factors = 2.0 ** (-jnp.arange(steps, dtype=jnp.float32) / steps)
+
+    def error(c):  # [N]
+        return jnp.sum(h_k * (w - _fp8_roundtrip(w, amax * c)) ** 2, axis=0)
+
+    best = jnp.argmin(jax.lax.map(error, factors), axis=0)
+    return amax * factors[best]
+
+
+def fp8_calibrated(w_kn, x_tk, *, steps: int = FP8_SCALE_STEPS) -> QuantizedArray:
+    """W8A16 fp8 (e4m3 per output channel) with the scales of `fp8_channel_scales` (calibration inputs x)."""
+    w = jnp.asarray(w_kn, jnp.float32)
+    scale = fp8_channel_scales(w, x_tk, steps)
+    return QuantizedArray(jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale, fmt="fp8")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # AWQ.
 # ---------------------------------------------------------------------------------------------------------
 def awq(w_kn, x_tk, *, fmt: str = "int4", group_size: int = 128, asymmetric: bool = True, grid: int = 20, **kw):
@@ -158,8 +198,11 @@ def _gptq_block(wb, ub, fixed_scales, *, fmt, group_size, asymmetric):
             s, zp = scales[grp], (zeros[grp] if asymmetric else 8.0)
             code = jnp.clip(jnp.round(w_cur[i] / s) + zp, 0, 15)
             deq = (code - zp) * s
-        else:
+        elif fmt == "int8":
             code = jnp.clip(jnp.round(w_cur[i] / fixed_scales), -127, 127)
+            deq = code * fixed_scales
+        else:  # fp8: e4m3 rounding of the compensated row (the error is then relative, not uniform)
+            code = jnp.clip(w_cur[i] / fixed_scales, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
             deq = code * fixed_scales
         err = (w_cur[i] - deq) / ub[i, i]  # [N]
         later = (jnp.arange(rows) > i)[:, None]
@@ -225,22 +268,22 @@ def gptq(
     damp: float = 0.01,
     act_order: bool = False,
 ):
-    """GPTQ (Frantar et al. 2022), blocked lazy updates: int4 per group or int8 per channel.
+    """GPTQ (Frantar et al. 2022), blocked lazy updates: int4 per group, int8 or fp8 (e4m3) per channel.
 
     Rows (input channels) are quantised in order; the rounding error of row i is compensated on rows > i by
     w[j] -= U[i, j] / U[i, i] * err, with U the upper Cholesky factor of the inverse Hessian of the inputs.
     `act_order` (int4): rows in order of decreasing input energy, group scales fixed from RTN beforehand.
     """
-    if fmt not in ("int4", "int8"):
-        raise ValueError(f"gptq: fmt must be int4 or int8, got {fmt!r}")
+    if fmt not in ("int4", "int8", "fp8"):
+        raise ValueError(f"gptq: fmt must be int4, int8 or fp8, got {fmt!r}")
     w = jnp.asarray(w_kn, jnp.float32)
     if fmt == "int4" and w.shape[0] % group_size:
         raise ValueError(f"gptq: K={w.shape[0]} is not a multiple of group_size={group_size}")
-    asymmetric = asymmetric and fmt == "int4"  # int8 is symmetric per channel
+    asymmetric = asymmetric and fmt == "int4"  # int8 and fp8 are symmetric per channel
     if act_order and fmt == "int4":
         return _gptq_act_order(w, jnp.asarray(x_tk, jnp.float32), group_size, asymmetric, damp)
     u = _inverse_hessian_cholesky(jnp.asarray(x_tk, jnp.float32), damp)
-    fixed = _safe(jnp.max(jnp.abs(w), axis=0) / 127.0)
+    fixed = _safe(jnp.max(jnp.abs(w), axis=0) / (FP8_MAX if fmt == "fp8" else 127.0))
     block = _gptq_block_rows(w.shape[0], fmt, group_size)
     codes, scales, zeros = [], [], []
     for b0 in range(0, w.shape[0], block):
@@ -253,6 +296,8 @@ def gptq(
     codes, scales, zeros = (jnp.concatenate(a) for a in (codes, scales, zeros))
     if fmt == "int8":
         return QuantizedArray(codes.astype(jnp.int8), fixed, fmt="int8")
+    if fmt == "fp8":
+        return QuantizedArray(codes.astype(jnp.float8_e4m3fn), fixed, fmt="fp8")
     return QuantizedArray(pack_int4(codes), scales, zeros if asymmetric else None, fmt="int4", group_size=group_size)
 
 
@@ -272,10 +317,22 @@ def smoothquant(w_kn, x_tk, *, alpha: float = 0.5):
     return QuantizedArray(q.values, q.scales, fmt="int8", pre_scale=1.0 / s, act_fmt="int8")
 
 
-def fp8_w8a8(w_kn, x_tk=None, *, static: bool = False):
+def fp8_w8a8(w_kn, x_tk=None, *, static: bool = False, weights: str = "rtn"):
     """W8A8 fp8: e4m3 weights per channel; activations per token (dynamic) or, with `static`, one per-tensor scale
-    calibrated as max|x| / 448 on the calibration inputs x."""
-    q = rtn(w_kn, "fp8")
+    calibrated as max|x| / 448 on the calibration inputs x.
+
+    weights: "rtn" (amax / 448 scales, round to nearest), "search" (fp8_calibrated's scales) or "gptq" (GPTQ with
+    e4m3 rounding: the weight error is compensated through the inputs' Hessian, leaving the activations' own
+    e4m3 error as most of what is left); the last two need x.
+    """
+    if weights not in ("rtn", "search", "gptq"):
+        raise ValueError(f"fp8_w8a8: weights must be rtn, search or gptq, got {weights!r}")
+    if weights != "rtn" and x_tk is None:
+        raise ValueError(f"fp8_w8a8: weights={weights!r} needs calibration inputs x_tk")
+    if weights == "rtn":
+        q = rtn(w_kn, "fp8")
+    else:
+        q = fp8_calibrated(w_kn, x_tk) if weights == "search" else gptq(w_kn, x_tk, fmt="fp8")
     act_scale = None
     if static:
         if x_tk is None:

@@ -40,9 +40,22 @@ def test_awq_and_gptq_beat_rtn_on_outlier_inputs(asymmetric):
     assert e_gptq_act < 0.9 * e_gptq, (e_gptq_act, e_gptq)  # outlier inputs first: their errors get compensated
 
 
-def test_gptq_int8_beats_rtn():
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_gptq_per_channel_beats_rtn(fmt):
     x, w = outlier_layer(1)
-    assert output_error(x, w, qm.gptq(w, x, fmt="int8")) < output_error(x, w, qm.rtn(w, "int8"))
+    q = qm.gptq(w, x, fmt=fmt)
+    assert q.fmt == fmt and q.values.dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[fmt]
+    assert output_error(x, w, q) < 0.9 * output_error(x, w, qm.rtn(w, fmt))
+
+
+def test_fp8_w8a8_calibrated_weights_beat_rtn_weights():
+    x, w = outlier_layer(9)
+    err = {m: output_error(x, w, qm.fp8_w8a8(w, x, weights=m)) for m in ("rtn", "search", "gptq")}
+    assert err["gptq"] < 0.9 * err["rtn"] and err["search"] < err["rtn"], err
+    with pytest.raises(ValueError, match="weights"):
+        qm.fp8_w8a8(w, x, weights="mse")
+    with pytest.raises(ValueError, match="x_tk"):
+        qm.fp8_w8a8(w, weights="gptq")
 
 
 def test_smoothquant_beats_plain_w8a8_on_outliers():
@@ -113,10 +126,28 @@ def test_bad_group_size_raises():
     with pytest.raises(ValueError, match="group_size"):
         qm.rtn(jnp.ones((100, 4)), "int4", group_size=64)
     with pytest.raises(ValueError, match="fmt"):
-        qm.gptq(jnp.ones((64, 4)), jnp.ones((8, 64)), fmt="fp8")
+        qm.gptq(jnp.ones((64, 4)), jnp.ones((8, 64)), fmt="bf16")
 
 
 def test_door_applies_pre_scale_and_activation_quantisation():
     x, w = outlier_layer(7, t=16, k=128, n=32)
     for q in (qm.awq(w, x, group_size=32), qm.smoothquant(w, x), qm.fp8_w8a8(w, x, static=True)):
         np.testing.assert_allclose(quant.matmul(x, q), quant.reference_matmul(x, q), rtol=2e-4, atol=2e-4)
+
+
+def test_fp8_calibrated_scales_beat_amax_and_stay_safe():
+    """The searched per-channel e4m3 scales give a smaller activation-weighted error than amax / 448 (never a
+    larger one: amax / 448 is a candidate), and an all-zero column keeps a finite positive scale."""
+    x, w = outlier_layer(8)
+    w = w.at[:, 4].set(0.0)
+    amax, searched = qm.rtn(w, "fp8"), qm.fp8_calibrated(w, x)
+    h = jnp.mean(x * x, axis=0)[:, None]
+
+    def weighted(q):
+        return jnp.sum(h * (w - q.dequantize()) ** 2, axis=0)
+
+    assert (np.asarray(weighted(searched)) <= np.asarray(weighted(amax)) * (1 + 1e-6)).all()
+    assert output_error(x, w, searched) < 0.9 * output_error(x, w, amax)
+    scales = np.asarray(searched.scales)
+    assert np.isfinite(scales).all() and (scales > 0).all()
+    np.testing.assert_array_equal(np.asarray(searched.dequantize())[:, 4], 0.0)
