@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from checkpoints.loader import load_checkpoint
-from model import kv, layers, quant, transformer
+from model import fused, kv, layers, quant, transformer
 from model import quant_methods as qm
 
 LICENSES = "/usr/share/common-licenses"
@@ -40,7 +40,8 @@ SPLITS = {
     ),
 }
 MODEL_NAME = "default checkpoint (checkpoints.loader.load_checkpoint())"
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# The projection calls of a layer, in order: q|k|v and gate|up are one fused matmul each (model/fused.py).
+PROJECTIONS = ("wqkv", "wo", "gate_up", "w_down")
 
 
 def read(domain, name):
@@ -102,7 +103,7 @@ def forward(model, tokens_bt, kv_dtype=None):
 
 
 def calibration_inputs(model, calib_bt, num_layers):
-    """{"layers.i.name": x [T, K]} recorded from the float model (call order: q, k, v, o, gate, up, down)."""
+    """{"layers.i.name": x [T, K]} recorded from the float model (call order: qkv, o, gate_up, down)."""
     calls = []
     patch_door(calls)
     for row in calib_bt:
@@ -132,9 +133,16 @@ METHODS = {
 
 
 def quantised_params(params, calib, method):
+    """Canonical params with every projection quantised; a fused group (q|k|v, gate|up) is quantised as one
+    weight, as the engine does (its parts share AWQ's / SmoothQuant's per-input-channel scale), then split."""
     out = dict(params)
     for name, x in calib.items():
-        out[name] = METHODS[method](jnp.asarray(params[name], jnp.float32), jnp.asarray(x))
+        prefix, leaf = name.rsplit(".", 1)
+        names = [f"{prefix}.{n}" for n in fused.GROUPS.get(leaf, (leaf,))]
+        parts = [fused.Part(n, params[n].shape[-1], params[n].shape[-1]) for n in names]
+        w = np.concatenate([np.asarray(params[n], np.float32) for n in names], axis=-1)
+        q = METHODS[method](jnp.asarray(w), jnp.asarray(x))
+        out.update(zip(names, fused.split(q, parts)))
     return out
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ModelConfig, RopeScaling
+from model.fused import group_parts, unfuse_output
 from model.quant import matmul
 
 
@@ -75,19 +76,23 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, 
 
 
 class GatedMLP(nnx.Module):
-    """Gated MLP: down(act(x @ gate) * (x @ up)); act is SiLU (SwiGLU, Llama) or tanh-GELU (GeGLU, Gemma)."""
+    """Gated MLP: down(act(x @ gate) * (x @ up)); act is SiLU (SwiGLU, Llama) or tanh-GELU (GeGLU, Gemma).
+    gate and up are one fused weight, so the MLP reads its input projections in one matmul."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
         d, f = cfg.hidden_size, cfg.intermediate_size
+        self.cfg = cfg
         self.activation = cfg.mlp_activation
-        self.w_gate = _param((d, f), dtype, rngs, d**-0.5)
-        self.w_up = _param((d, f), dtype, rngs, d**-0.5)
+        # gate|up fused into one weight [D, 2F] (model/fused.py), laid out for `gate_up_shards` shards.
+        self.gate_up_shards = 1
+        self.w_gate_up = _param((d, 2 * f), dtype, rngs, d**-0.5)
         self.w_down = _param((f, d), dtype, rngs, f**-0.5)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.activation]
-        h = act(matmul(x, self.w_gate.get_value())) * matmul(x, self.w_up.get_value())
-        return matmul(h, self.w_down.get_value())
+        h = matmul(x, self.w_gate_up.get_value())  # one matmul for both halves
+        gate, up = unfuse_output(h, group_parts(self.cfg, "gate_up"), self.gate_up_shards)
+        return matmul(act(gate) * up, self.w_down.get_value())
 
 
 class Embedding(nnx.Module):

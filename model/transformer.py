@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
+from model.fused import GROUPS, PartSlot, fuse, fused_width, group_parts, split, unfuse_output
 from model.layers import Embedding, GatedMLP, RMSNorm, _param, apply_rope, rope_inv_freq
 from model.moe import MoEMLP
 from model.quant import QuantizedArray, matmul
@@ -40,34 +41,27 @@ class Attention(nnx.Module):
         if cfg.is_gemma:  # QK-norm: RMSNorm over each head's width, before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.norm_offset)
-        self.wq = _param((d, cfg.q_size), dtype, rngs, d**-0.5)
-        self.wk = _param((d, cfg.kv_size), dtype, rngs, d**-0.5)
-        self.wv = _param((d, cfg.kv_size), dtype, rngs, d**-0.5)
+        # q|k|v fused into one weight (model/fused.py), laid out for `qkv_shards` tensor-parallel shards.
+        self.qkv_shards = 1
+        self.wqkv = _param((d, cfg.q_size + 2 * cfg.kv_size), dtype, rngs, d**-0.5)
         self.wo = _param((cfg.q_size, d), dtype, rngs, cfg.q_size**-0.5)
         if cfg.attention_bias:
-            self.bq = nnx.Param(jnp.zeros((cfg.q_size,), dtype))
-            self.bk = nnx.Param(jnp.zeros((cfg.kv_size,), dtype))
-            self.bv = nnx.Param(jnp.zeros((cfg.kv_size,), dtype))
+            self.bqkv = nnx.Param(jnp.zeros((cfg.q_size + 2 * cfg.kv_size,), dtype))
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache, meta):
         cfg = self.cfg
         b, t, _ = x_btd.shape
-        q = matmul(x_btd, self.wq.get_value())
-        k = matmul(x_btd, self.wk.get_value())
-        v = matmul(x_btd, self.wv.get_value())
+        qkv = matmul(x_btd, self.wqkv.get_value())  # [B, T, q + 2 kv] (wider when KV heads repeat per shard)
         if cfg.attention_bias:
-            q, k, v = (
-                q + self.bq[...].astype(q.dtype),
-                k + self.bk[...].astype(k.dtype),
-                v + self.bv[...].astype(v.dtype),
-            )
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            qkv = qkv + self.bqkv[...].astype(qkv.dtype)
+        q, k, v = unfuse_output(qkv, group_parts(cfg, "wqkv"), self.qkv_shards)
+        q = q.reshape(b, t, -1, cfg.head_dim)  # [B, T, Hq, hd]
+        k = k.reshape(b, t, -1, cfg.head_dim)  # [B, T, Hkv (or tp, repeated), hd]
         if cfg.is_gemma:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions_bt, inv_freq)
         k = apply_rope(k, positions_bt, inv_freq)
-        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, -1, cfg.head_dim)
         out, cache = meta.attend(q, k, v, positions_bt, cache, window=self.window, sm_scale=cfg.attn_scale)
         return matmul(out.reshape(b, t, cfg.q_size), self.wo.get_value()), cache
 
@@ -167,6 +161,7 @@ class Transformer(nnx.Module):
 
 # Canonical parameter names <-> module attributes ----------------------------------------------------------------
 
+# Storage leaves (module attributes) per layer; a fused leaf (model/fused.py GROUPS) holds several canonical ones.
 _LAYER_PATHS = {
     "attn_norm": ("attn_norm", "weight"),
     "mlp_norm": ("mlp_norm", "weight"),
@@ -174,20 +169,15 @@ _LAYER_PATHS = {
     "post_mlp_norm": ("post_mlp_norm", "weight"),
     "q_norm": ("attn", "q_norm", "weight"),
     "k_norm": ("attn", "k_norm", "weight"),
-    "wq": ("attn", "wq"),
-    "wk": ("attn", "wk"),
-    "wv": ("attn", "wv"),
+    "wqkv": ("attn", "wqkv"),  # wq | wk | wv
     "wo": ("attn", "wo"),
-    "bq": ("attn", "bq"),
-    "bk": ("attn", "bk"),
-    "bv": ("attn", "bv"),
-    "w_gate": ("mlp", "w_gate"),
-    "w_up": ("mlp", "w_up"),
+    "bqkv": ("attn", "bqkv"),  # bq | bk | bv
+    "gate_up": ("mlp", "w_gate_up"),  # w_gate | w_up
     "w_down": ("mlp", "w_down"),
 }
 # An MoE layer (model/moe.py) has the attention and norms above and these instead of the dense MLP.
 _MOE_LAYER_PATHS = {
-    **{k: v for k, v in _LAYER_PATHS.items() if k not in ("w_gate", "w_up", "w_down")},
+    **{k: v for k, v in _LAYER_PATHS.items() if k not in ("gate_up", "w_down")},
     "w_router": ("mlp", "w_router"),
     "w_gate_up": ("mlp", "w_gate_up"),
     "w_experts_down": ("mlp", "w_down"),
@@ -196,10 +186,12 @@ _MOE_LAYER_PATHS = {
     "shared_w_up": ("mlp", "shared_w_up"),
     "shared_w_down": ("mlp", "shared_w_down"),
 }
-_QUANTISABLE = frozenset(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"))
+_SHARDS_ATTR = {"wqkv": "qkv_shards", "bqkv": "qkv_shards", "gate_up": "gate_up_shards"}  # on the owner module
+_QUANTISABLE = frozenset(("wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "gate_up", "w_down", "lm_head"))
 
 
-def _param_slots(model: Transformer) -> dict[str, nnx.Param]:
+def _storage_slots(model: Transformer) -> dict[str, nnx.Param]:
+    """Storage name ("layers.3.wqkv", "embed", ...) -> the nnx.Param holding it."""
     slots = {"embed": model.embed.weight, "final_norm": model.final_norm.weight}
     if not model.cfg.tie_word_embeddings:
         slots["lm_head"] = model.lm_head
@@ -214,9 +206,47 @@ def _param_slots(model: Transformer) -> dict[str, nnx.Param]:
     return slots
 
 
+def _fused_leaf(name: str) -> str | None:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf if name.startswith("layers.") and leaf in GROUPS else None
+
+
+def _owner(model: Transformer, name: str) -> tuple[nnx.Module, str]:
+    """(module, attribute) of the shard count of fused storage slot `name`."""
+    _, i, leaf = name.split(".")
+    return getattr(model.layers[int(i)], _LAYER_PATHS[leaf][0]), _SHARDS_ATTR[leaf]
+
+
+def _parts(model: Transformer, name: str):
+    """(prefix "layers.i.", parts, shards) of fused storage slot `name`."""
+    leaf = _fused_leaf(name)
+    owner, attr = _owner(model, name)
+    return name[: -len(leaf)], group_parts(model.cfg, leaf), getattr(owner, attr)
+
+
+def _param_slots(model: Transformer) -> dict[str, Any]:
+    """Canonical name -> slot: the nnx.Param, or for a fused part a PartSlot view of its fused Param."""
+    out: dict[str, Any] = {}
+    for name, slot in _storage_slots(model).items():
+        if _fused_leaf(name) is None:
+            out[name] = slot
+            continue
+        prefix, parts, shards = _parts(model, name)
+        for j, p in enumerate(parts):
+            out[prefix + p.name] = PartSlot(slot, parts, j, shards)
+    return out
+
+
 def model_params(model: Transformer) -> dict[str, Any]:
     """The model's parameters in canonical names (docs/ARCHITECTURE.md): arrays, or QuantizedArray pytrees."""
-    return {name: slot.get_value() for name, slot in _param_slots(model).items()}
+    out: dict[str, Any] = {}
+    for name, slot in _storage_slots(model).items():
+        if _fused_leaf(name) is None:
+            out[name] = slot.get_value()
+            continue
+        prefix, parts, shards = _parts(model, name)
+        out.update({prefix + p.name: v for p, v in zip(parts, split(slot.get_value(), parts, shards))})
+    return out
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> Transformer:
@@ -224,26 +254,109 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=None))
 
 
-def _check_shardings(slots: Mapping[str, nnx.Param], shardings: Mapping[str, Any] | None) -> None:
+def _check_shardings(slots: Mapping[str, Any], shardings: Mapping[str, Any] | None) -> None:
     unknown = sorted(set(shardings or ()) - set(slots))
     if unknown:
         raise ValueError(f"shardings name parameters the model does not have: {unknown[:6]}")
 
 
-def _place(name: str, value: Any, spec: jax.ShapeDtypeStruct, dtype, sharding) -> Any:
-    """`value` checked against the slot, cast to `dtype` (arrays only) and put on `sharding` (or the default)."""
+def _place(name: str, value: Any, spec: jax.ShapeDtypeStruct, dtype, sharding, quantized_sharding=None) -> Any:
+    """`value` checked against the slot, cast to `dtype` (arrays only) and put on `sharding` (or the default);
+    a QuantizedArray goes to `quantized_sharding` (the engine's mesh, replicated) or the default device."""
     if tuple(value.shape) != tuple(spec.shape):
         raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {tuple(spec.shape)}")
     if isinstance(value, QuantizedArray):
         if name.rsplit(".", 1)[-1] not in _QUANTISABLE:
             raise ValueError(f"{name}: only linear weights {sorted(_QUANTISABLE)} may be QuantizedArray")
-        if sharding is not None:
+        if sharding is not None and quantized_sharding is None:
             raise ValueError(f"{name}: a sharding for a QuantizedArray parameter is not supported yet")
-        return jax.device_put(value)
+        return jax.device_put(value, quantized_sharding)
     if isinstance(value, jax.Array):
         return jax.device_put(value.astype(dtype), sharding)
     # Cast on the host, so only the converted bytes travel; the caller's buffer is dropped after this call.
     return jax.device_put(np.asarray(value).astype(dtype, copy=False), sharding)
+
+
+def _fused_layout(parts, part_shardings: Sequence[Any], ndim: int, quantized: bool) -> tuple[int, Any]:
+    """(shards, sharding) of a fused slot from its parts' shardings: the per-shard layout (model/fused.py), split
+    over the mesh axis the first part's output columns shard on, when every other part shards there too or is
+    replicated with fewer units than that axis has devices (KV heads: repeated); else the plain concatenation,
+    replicated on the parts' mesh (or no sharding when none was given). Quantised slots stay replicated."""
+    named = [s for s in part_shardings if isinstance(s, jax.sharding.NamedSharding)]
+    if not named:
+        return 1, (part_shardings[0] if part_shardings else None)
+    mesh = named[0].mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.P())
+
+    def out_axis(s):
+        spec = tuple(s.spec) if isinstance(s, jax.sharding.NamedSharding) else ()
+        return spec[ndim - 1] if len(spec) >= ndim else None
+
+    axis = out_axis(part_shardings[0])
+    if quantized or not isinstance(axis, str) or len(named) != len(part_shardings):
+        return 1, replicated
+    size = mesh.shape[axis]
+    for p, s in zip(parts, part_shardings):
+        if not (out_axis(s) == axis or (out_axis(s) is None and p.units < size and size % p.units == 0)):
+            return 1, replicated
+    return size, part_shardings[0]
+
+
+def _read_parts(name, shape, prefix, parts, read) -> list[Any]:
+    """The canonical parts of fused slot `name` read in order, each checked against its canonical shape."""
+    values = []
+    for p in parts:
+        v, want = read(prefix + p.name), (*tuple(shape)[:-1], p.width)
+        if tuple(v.shape) != want:
+            raise ValueError(f"{prefix + p.name}: shape {tuple(v.shape)} != expected {want}")
+        values.append(v)
+    return values
+
+
+def storage_value(model: Transformer, name: str, read) -> Any:
+    """The value of storage slot `name` from canonical values `read(name)`: a fused slot's parts concatenated
+    in its current layout (model/fused.py)."""
+    if _fused_leaf(name) is None:
+        return read(name)
+    prefix, parts, shards = _parts(model, name)
+    shape = _storage_slots(model)[name].get_value().shape
+    return fuse(_read_parts(name, shape, prefix, parts, read), parts, shards)
+
+
+def replicated_like(sharding):
+    """Replicated on the mesh of `sharding` (a NamedSharding), or None."""
+    mesh = getattr(sharding, "mesh", None)
+    return None if mesh is None else jax.sharding.NamedSharding(mesh, jax.P())
+
+
+def write_params(
+    model: Transformer,
+    read,
+    dtype,
+    shardings: Mapping[str, Any] | None = None,
+    quantized_sharding=None,
+) -> Transformer:
+    """Writes every slot of `model` once from canonical values `read(name)` (fused groups concatenated in the
+    layout their parts' `shardings` call for, model/fused.py), cast to `dtype` and placed; returns `model`."""
+    shardings = shardings or {}
+    for name, slot in _storage_slots(model).items():
+        spec = slot.get_value()
+        if _fused_leaf(name) is None:
+            slot.set_value(_place(name, read(name), spec, dtype, shardings.get(name), quantized_sharding))
+            continue
+        prefix, parts, _ = _parts(model, name)
+        values = _read_parts(name, spec.shape, prefix, parts, read)
+        owner, attr = _owner(model, name)
+        quantized = any(isinstance(v, QuantizedArray) for v in values)
+        part_shardings = [shardings.get(prefix + p.name) for p in parts]
+        shards, sharding = _fused_layout(parts, part_shardings, len(spec.shape), quantized)
+        if name.endswith("bqkv") and shards != getattr(owner, attr):  # the bias follows its weight's layout
+            shards, sharding = getattr(owner, attr), None if sharding is None else replicated_like(sharding)
+        setattr(owner, attr, shards)
+        fused_spec = jax.ShapeDtypeStruct((*tuple(spec.shape)[:-1], fused_width(parts, shards)), jnp.float32)
+        value = fuse(values, parts, shards)  # (the one copy of the fused weight)
+        slot.set_value(_place(name, value, fused_spec, dtype, sharding, quantized_sharding))
+    return model
 
 
 def build_model(
@@ -256,14 +369,16 @@ def build_model(
 
     The module is created abstractly (`abstract_model`), then each slot receives `params[name]` read once: a
     lazy mapping (checkpoints/lazy.py) is read, converted and placed one tensor at a time, so no zero-filled model
-    and no second full copy ever exists.
+    and no second full copy ever exists. Fused slots (q|k|v, gate|up: model/fused.py) read their parts in order
+    and are written once, concatenated.
 
     Args:
       cfg: the model configuration.
       params: canonical name -> numpy / jax array (cast to `dtype`) or QuantizedArray (a linear weight; kept).
       dtype: compute and parameter dtype.
       shardings: optional canonical name -> jax.sharding.Sharding (e.g. sharding/rules.py's NamedShardings);
-        each array goes straight to its sharding with jax.device_put. Names left out get the default device.
+        each array goes straight to its sharding with jax.device_put (a fused slot: its parts' split, in the
+        per-shard layout). Names left out get the default device.
 
     Raises:
       ValueError: unknown or missing names, wrong shapes, a quantised non-linear weight, unknown sharding names.
@@ -275,10 +390,7 @@ def build_model(
     if missing or extra:
         raise ValueError(f"parameters do not match the config: missing {missing[:6]}, unexpected {extra[:6]}")
     _check_shardings(slots, shardings)
-    for name, slot in slots.items():
-        sharding = None if shardings is None else shardings.get(name)
-        slot.set_value(_place(name, params[name], slot.get_value(), dtype, sharding))
-    return model
+    return write_params(model, params.__getitem__, dtype, shardings)
 
 
 _NORMS = ("attn_norm", "mlp_norm", "final_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
@@ -304,20 +416,24 @@ def random_model(
 ) -> Transformer:
     """A randomly initialised model (tests and performance work at real shapes).
 
-    Each parameter is drawn on its device by one jitted call (output sharding `shardings[name]` when given), so
-    the host holds no weights; slots of equal shape share one compilation.
+    Each canonical parameter is drawn on its device by one jitted call (output sharding `shardings[name]` when
+    given), so the host holds no weights; slots of equal shape share one compilation. Fused parts are drawn
+    one by one (the same values as unfused) and concatenated into their slot.
     """
     model = abstract_model(cfg, dtype)
     slots = _param_slots(model)
     _check_shardings(slots, shardings)
     root = jax.random.key(seed)
-    for i, (name, slot) in enumerate(slots.items()):
-        spec = slot.get_value()
+    index = {name: i for i, name in enumerate(slots)}
+
+    def draw(name):
+        spec = slots[name].get_value()
         sharding = None if shardings is None else shardings.get(name)
         kind = name if name == "embed" else name.rsplit(".", 1)[-1]  # Layers share one compilation per slot.
         init = _jitted_init(kind, tuple(spec.shape), jnp.dtype(dtype), sharding, 1.0 - cfg.norm_offset)
-        slot.set_value(init(jax.random.fold_in(root, i)))
-    return model
+        return init(jax.random.fold_in(root, index[name]))
+
+    return write_params(model, draw, dtype, shardings)
 
 
 @functools.cache

@@ -42,6 +42,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # Canonical params are per layer; stacked [L, ...] (pipeline parallelism, model/pipeline.py) they split into
     # stages of consecutive layers, and so does the stacked KV pool.
     ("layers", PIPELINE),
+    ("fused", None),  # fused q|k|v and gate|up columns (split by their own per-shard layout, model/fused.py)
 )
 _RULES = dict(LOGICAL_AXIS_RULES)
 
@@ -62,6 +63,11 @@ LAYER_PARAM_AXES: dict[str, LogicalAxes] = {
     "w_gate": ("embed", "mlp"),  # [D, F]
     "w_up": ("embed", "mlp"),  # [D, F]
     "w_down": ("mlp", "embed"),  # [F, D]
+    # Fused storage (model/fused.py): laid out per tensor-parallel shard by serving/engine/weights.py
+    # place_on_mesh, which splits them over the tensor axis itself; by name alone they are replicated.
+    "wqkv": ("embed", "fused"),  # [D, q + 2 kv]
+    "bqkv": ("fused",),  # [q + 2 kv]
+    "gate_up": ("embed", "fused"),  # [D, 2F]
     "bq": ("q_heads",),  # [Hq*hd]
     "bk": ("kv_heads",),  # [Hkv*hd]
     "bv": ("kv_heads",),  # [Hkv*hd]

@@ -65,7 +65,7 @@ def test_default_smollm2_q4_1_kept_quantised_matches_dequantised():
     for key, params in (("q", qparams), ("f", fparams)):
         model = build_model(cfg, params, jnp.float32)
         if key == "q":
-            assert isinstance(model.layers[0].attn.wq.get_value(), QuantizedArray)
+            assert isinstance(model.layers[0].attn.wqkv.get_value(), QuantizedArray)
         t = len(tokens)
         logits[key] = np.asarray(model(jnp.asarray([tokens]), jnp.arange(t)[None], None, NoCache(jnp.array([t])))[0])
         del model

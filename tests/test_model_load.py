@@ -45,14 +45,21 @@ def int8_per_channel(w: np.ndarray) -> QuantizedArray:
     return QuantizedArray(jnp.asarray(values), jnp.asarray(scales, jnp.float32), fmt="int8")
 
 
-QUANTISED = ("layers.0.wq", "layers.0.wv", "layers.1.wo", "layers.0.w_gate", "layers.1.w_down", "lm_head")
+# Whole fused groups (q|k|v, gate|up: model/fused.py) quantised, so each stays one QuantizedArray; layers.1.wq
+# alone (MIXED) is a group of a quantised and float parts, which is stored as float (the same logical weights).
+QUANTISED = (
+    "layers.0.wq", "layers.0.wk", "layers.0.wv", "layers.1.wo", "layers.0.w_gate", "layers.0.w_up",
+    "layers.1.w_down", "lm_head",
+)  # fmt: skip
+QUANTISED_SLOTS = 5  # layers.0.wqkv, layers.1.wo, layers.0.gate_up, layers.1.w_down, lm_head
+MIXED = ("layers.1.wq",)
 
 
 def test_quantised_weights_enter_through_the_door():
     cfg = ModelConfig.tiny()  # Untied: the LM head is a projection too.
     assert not cfg.tie_word_embeddings
     params = host_params(cfg)
-    quantised = {n: int8_per_channel(params[n]) for n in QUANTISED}
+    quantised = {n: int8_per_channel(params[n]) for n in QUANTISED + MIXED}
     dequantised = {n: np.asarray(q.dequantize(jnp.float32)) for n, q in quantised.items()}
     model_q = build_model(cfg, {**params, **quantised})
     model_d = build_model(cfg, {**params, **dequantised})
@@ -64,9 +71,10 @@ def test_quantised_weights_enter_through_the_door():
     # The pytree lives in the Param: canonical names, split / merge, jit all see it.
     got = model_params(model_q)
     assert all(isinstance(got[n], QuantizedArray) for n in QUANTISED)
-    assert got["layers.0.wq"].values.dtype == jnp.int8 and isinstance(got["layers.0.wk"], jax.Array)
+    assert got["layers.0.wq"].values.dtype == jnp.int8 and isinstance(got["layers.1.wk"], jax.Array)
+    assert isinstance(got["layers.1.wq"], jax.Array)  # MIXED: dequantised into the float fused slot
     graphdef, state = nnx.split(model_q)
-    assert sum(x.dtype == jnp.int8 for x in jax.tree.leaves(state)) == len(QUANTISED)
+    assert sum(x.dtype == jnp.int8 for x in jax.tree.leaves(state)) == QUANTISED_SLOTS
     np.testing.assert_allclose(logits(nnx.merge(graphdef, state)), want, rtol=1e-5, atol=1e-5)
     jitted = jax.jit(lambda s, t, p: nnx.merge(graphdef, s)(t, p, None, NoCache(jnp.array([7])))[0])
     np.testing.assert_allclose(jitted(state, TOKENS, POS), want, rtol=1e-5, atol=1e-5)
@@ -170,7 +178,7 @@ SHARDED_SCRIPT = textwrap.dedent(
     from flax import nnx
     from model.config import ModelConfig
     from model.kv import NoCache
-    from model.transformer import build_model, model_params, random_model
+    from model.transformer import _storage_slots, build_model, model_params, random_model
     from sharding.mesh import ParallelConfig, make_mesh
     from sharding.rules import param_shardings
 
@@ -183,8 +191,19 @@ SHARDED_SCRIPT = textwrap.dedent(
     for made in (build_model(cfg, params, shardings=shardings), random_model(cfg, seed=5, shardings=shardings)):
         placed = model_params(made)
         for name, value in placed.items():
-            assert value.sharding.is_equivalent_to(shardings[name], value.ndim), name
             np.testing.assert_array_equal(np.asarray(value), params[name])
+        for name, slot in _storage_slots(made).items():
+            value = slot.get_value()
+            first = {"wqkv": "wq", "bqkv": "bq", "gate_up": "w_gate"}.get(name.rsplit(".", 1)[-1])
+            want = shardings[name if first is None else name.rsplit(".", 1)[0] + "." + first]
+            assert value.sharding.is_equivalent_to(want, value.ndim), name
+        # Fused q|k|v split over tp = 2 in the per-shard layout: each device holds its own q, k and v heads.
+        wqkv = _storage_slots(made)["layers.0.wqkv"].get_value()
+        q, k, v = (params["layers.0." + n] for n in ("wq", "wk", "wv"))
+        for shard in wqkv.addressable_shards:
+            j = shard.index[1].start // (wqkv.shape[1] // 2)
+            cols = lambda w: w[:, j * w.shape[1] // 2 : (j + 1) * w.shape[1] // 2]
+            np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate([cols(q), cols(k), cols(v)], 1))
     tokens, pos = jnp.asarray([[5, 17, 30, 2]]), jnp.arange(4)[None]
     run = nnx.jit(lambda m: m(tokens, pos, None, NoCache(jnp.array([4])))[0])
     np.testing.assert_allclose(np.asarray(run(made)), np.asarray(run(build_model(cfg, params))), rtol=1e-5, atol=1e-5)

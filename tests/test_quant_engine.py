@@ -238,12 +238,14 @@ def test_quantization_in_the_engine(float_out):
 
     llm = _llm(quantization="int8")
     is_q = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
-    assert sum(map(is_q, jax.tree.leaves(llm.engine.runner.params, is_leaf=is_q))) == 7 * CFG.num_layers
+    # Per layer: q|k|v and gate|up fused (model/fused.py), wo, w_down: 4 quantised projections.
+    assert sum(map(is_q, jax.tree.leaves(llm.engine.runner.params, is_leaf=is_q))) == 4 * CFG.num_layers
     out = llm.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)
     assert out[0].token_ids[:4] == float_out[0].token_ids[:4]
     new = random_model(CFG, jnp.float32, seed=9)
     llm.update_weights(model_params(new))
-    assert sum(map(is_q, jax.tree.leaves(llm.engine.runner.params, is_leaf=is_q))) == 7 * CFG.num_layers
+    # Per layer: q|k|v and gate|up fused (model/fused.py), wo, w_down: 4 quantised projections.
+    assert sum(map(is_q, jax.tree.leaves(llm.engine.runner.params, is_leaf=is_q))) == 4 * CFG.num_layers
     fresh = LLM.from_model(new, None, **(OPTS | dict(quantization="int8")))
     want = fresh.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)[0].token_ids
     assert llm.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)[0].token_ids == want != out[0].token_ids

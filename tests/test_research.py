@@ -243,7 +243,7 @@ new = model_params(random_model(cfg, jnp.float32, seed=8))  # single-device arra
 llm.update_weights(new)
 leaves = jax.tree.leaves(runner.params)
 assert all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(leaves, specs))
-wq = runner.params["layers"][0]["attn"]["wq"][...]
+wq = runner.params["layers"][0]["attn"]["wqkv"][...]  # fused q|k|v, split per shard
 assert wq.sharding.shard_shape(wq.shape)[1] == wq.shape[1] // 2, wq.sharding
 after = llm.logprobs(prompts, conts)
 assert runner.num_compiles == compiles, (runner.num_compiles, compiles)

@@ -128,7 +128,7 @@ for tp in (1, 2):
     mesh = make_mesh(ParallelConfig(tp=tp), devices=jax.devices()[:tp])
     runner = ModelRunner(random_model(cfg, jnp.float32, seed=3), num_blocks=16, block_size=4, max_num_seqs=2,
                          max_num_batched_tokens=16, max_model_len=32, attention_backend="xla", mesh=mesh)
-    wq = runner.params["layers"][0]["attn"]["wq"][...]
+    wq = runner.params["layers"][0]["attn"]["wqkv"][...]  # fused q|k|v, split per shard
     pages = runner.kv_cache[0][0]
     if tp == 2:
         assert wq.sharding.shard_shape(wq.shape)[1] == wq.shape[1] // 2, wq.sharding

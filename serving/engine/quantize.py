@@ -133,11 +133,12 @@ def calibration_tokens(tokenizer, vocab_size: int, calibration_file: str | None)
 
 
 def projection_inputs(model: transformer.Transformer, tokens_bt: np.ndarray) -> dict[str, np.ndarray]:
-    """{canonical name: inputs [T, K] float32} of every float projection, recorded from eager forwards."""
-    slots = transformer._param_slots(model)
+    """{storage name: inputs [T, K] float32} of every float projection (a fused q|k|v or gate|up is one),
+    recorded from eager forwards."""
+    slots = transformer._storage_slots(model)
     by_id = {id(s.get_value()): n for n, s in slots.items() if not isinstance(s.get_value(), QuantizedArray)}
     recorded: dict[str, list[np.ndarray]] = {}
-    seen: dict[int, np.ndarray] = {}  # q/k/v (and gate/up) share one input: convert it once per call
+    seen: dict[int, np.ndarray] = {}  # projections sharing an input convert it once per call
 
     def door(x, w, out_dtype=None):
         name = by_id.get(id(w))
@@ -174,11 +175,12 @@ def quantize_model(model, method: str, tokenizer=None, *, calibration_file: str 
     else:  # one short forward finds the projections
         tokens = np.arange(8, dtype=np.int32)[None] % cfg.vocab_size
     inputs = projection_inputs(model, tokens)
-    slots = transformer._param_slots(model)
-    for name, x in inputs.items():
+    slots = transformer._storage_slots(model)
+    for name, x in inputs.items():  # a fused slot is quantised whole: its parts share pre_scale (AWQ, SmoothQuant)
         slot = slots[name]
         w = slot.get_value()
         q = quantize_weight(method, w, jnp.asarray(x) if method in CALIBRATED else None)
         slot.set_value(q)  # the runner places it (serving/engine/runner.py _place)
     log.info("quantization=%s: %d projections in %.1f s", method, len(inputs), time.perf_counter() - t0)
-    return sorted(inputs)
+    canonical = transformer._param_slots(model)  # fused names -> the canonical parts they hold
+    return sorted(n for n, s in canonical.items() if id(getattr(s, "param", s)) in {id(slots[m]) for m in inputs})

@@ -39,15 +39,13 @@ from flax import nnx
 
 from model.kv import PagedMeta, init_paged_cache, kv_bytes_per_token_head
 from model.pipeline import copy_stage_pages, init_stage_cache, num_stages, pipelined
-from model.quant import QuantizedArray
 from model.sampling import SamplingTensors, sample
 from model.transformer import Transformer
-from model.transformer import _param_slots as param_slots
 from pallas_kernels.backend import resolve_backend
 from serving.engine.executable_cache import ExecutableCache
-from serving.engine.weights import swap_params
+from serving.engine.weights import place_on_mesh, swap_params
 from sharding.mesh import ParallelConfig, make_mesh
-from sharding.rules import kv_cache_heads, kv_cache_sharding, param_shardings
+from sharding.rules import kv_cache_heads, kv_cache_sharding
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +149,7 @@ class ModelRunner:
         self.cfg = model.cfg
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), devices=jax.devices()[:1])
         self.pipelined = num_stages(self.mesh) > 1  # layers stacked into stages, the KV pool too (model/pipeline.py)
-        model = self._place(model)  # sharding/rules.py, in place: each layer on its stage's devices
+        model = place_on_mesh(model, self.mesh)  # sharding/rules.py, in place: each layer on its stage's devices
         self.graphdef, self.params = nnx.split(pipelined(model, self.mesh) if self.pipelined else model)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -181,16 +179,6 @@ class ModelRunner:
         self._compiled: dict[tuple, object] = {}
         self._cache = ExecutableCache(executable_cache_dir)
         self.num_compiles = 0  # executables made (compiled, or loaded from the executable cache): none while serving
-
-    def _place(self, model: Transformer) -> Transformer:
-        """Puts every parameter on the mesh with its NamedSharding from sharding/rules.py (in place)."""
-        slots = param_slots(model)
-        shardings = param_shardings({n: s[...] for n, s in slots.items()}, self.mesh, head_dim=self.cfg.head_dim)
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # QuantizedArray leaves
-        for name, slot in slots.items():  # set_value: slot[...] = is a scatter (a copy, failing across devices)
-            value = slot.get_value()
-            slot.set_value(jax.device_put(value, replicated if isinstance(value, QuantizedArray) else shardings[name]))
-        return model
 
     def set_params(self, params) -> None:
         """Swaps in weights of the same tree, shapes, dtypes and shardings: nothing recompiles; they are copied into

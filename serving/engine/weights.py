@@ -33,8 +33,10 @@ from flax import nnx
 
 from model.quant import QuantizedArray
 from model.quant_methods import rtn
-from model.transformer import Transformer, abstract_model, model_params
+from model.transformer import Transformer, abstract_model, model_params, storage_value, write_params
 from model.transformer import _param_slots as param_slots
+from model.transformer import _storage_slots as storage_slots
+from sharding.rules import param_shardings
 
 
 def canonical_params(params: Any, cfg, dtype=jnp.float32) -> Mapping[str, Any]:
@@ -133,6 +135,20 @@ def matched(name: str, new: Any, current: Any) -> Any:
     return _on_shardings(name, new, current)
 
 
+def _matched_into(module: Transformer, params: Mapping[str, Any]) -> None:
+    """Every slot of `module` set to canonical `params` matched to what it holds (a fused slot: its parts
+    concatenated in the slot's layout first, then matched, so a quantised fused slot is re-quantised whole)."""
+    slots = param_slots(module)
+    missing, extra = sorted(set(slots) - set(params)), sorted(set(params) - set(slots))
+    if missing or extra:
+        raise ValueError(f"params do not match the model: missing {missing[:6]}, unexpected {extra[:6]}")
+    new = {}
+    for name, slot in storage_slots(module).items():
+        new[name] = matched(name, storage_value(module, name, params.__getitem__), slot.get_value())
+    for name, slot in storage_slots(module).items():
+        slot.set_value(new[name])
+
+
 def state_like(graphdef, state: nnx.State, params: Mapping[str, Any]) -> nnx.State:
     """An nnx.State with `state`'s tree whose every parameter is `params[name]` matched to the current value.
 
@@ -140,12 +156,7 @@ def state_like(graphdef, state: nnx.State, params: Mapping[str, Any]) -> nnx.Sta
       ValueError: missing or unknown names (all of the model's parameters must be given), bad shapes.
     """
     module = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # fresh Variables: `state` is not touched
-    slots = param_slots(module)
-    missing, extra = sorted(set(slots) - set(params)), sorted(set(params) - set(slots))
-    if missing or extra:
-        raise ValueError(f"params do not match the model: missing {missing[:6]}, unexpected {extra[:6]}")
-    for name, slot in slots.items():
-        slot.set_value(matched(name, params[name], slot.get_value()))
+    _matched_into(module, params)
     return nnx.split(module)[1]
 
 
@@ -179,10 +190,15 @@ def update_runner(runner, params: Mapping[str, Any]) -> None:
 
 def update_module(model: Transformer, params: Mapping[str, Any]) -> None:
     """Writes canonical `params` into `model`'s slots, matched to what each slot holds (no runner yet)."""
-    slots = param_slots(model)
-    missing, extra = sorted(set(slots) - set(params)), sorted(set(params) - set(slots))
-    if missing or extra:
-        raise ValueError(f"params do not match the model: missing {missing[:6]}, unexpected {extra[:6]}")
-    new = {name: matched(name, params[name], slot.get_value()) for name, slot in slots.items()}
-    for name, slot in slots.items():
-        slot.set_value(own(new)[name])
+    _matched_into(model, own(params))
+
+
+def place_on_mesh(model: Transformer, mesh) -> Transformer:
+    """Every parameter of `model` put on `mesh` with its NamedSharding from sharding/rules.py, in place; fused
+    slots are re-laid out per tensor-parallel shard (model/fused.py) so their column split keeps each shard's
+    q/k/v heads and gate/up halves together. QuantizedArray leaves are replicated."""
+    canonical = param_slots(model)
+    shardings = param_shardings({n: s.get_value() for n, s in canonical.items()}, mesh, head_dim=model.cfg.head_dim)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # Views of the current layout, read before any slot is rewritten (a slot's parts are read, then it is written).
+    return write_params(model, lambda n: canonical[n].get_value(), model.dtype, shardings, replicated)
