@@ -83,28 +83,60 @@ def apply_penalties(
     return logits - st.presence_penalty[:, None] * (out_counts > 0)
 
 
-def filter_logits(logits_bv: jax.Array, st: SamplingTensors) -> jax.Array:
-    """Temperature-scaled logits with top-k, top-p and min-p applied (removed entries -> -inf)."""
+# Sampling rows whose filters can be decided from the top TOP_CANDIDATES logits skip the full-vocabulary sort:
+# top-k with k <= TOP_CANDIDATES (then top-p and min-p inside those), or top-p alone when the candidates already
+# hold the mass p (the cutoff token is among them). Any other row makes its batch take the full sort.
+TOP_CANDIDATES = 256
+
+
+def _filter(logits_bv: jax.Array, st: SamplingTensors, candidates: int | None) -> tuple[jax.Array, jax.Array]:
+    """(filtered logits [B, V], exact [B] bool): the filters of `filter_logits` decided from the top `candidates`
+    logits of each row (all V when None); `exact` says where that equals the full-vocabulary decision."""
     temp = jnp.where(st.temperature > 0, st.temperature, 1.0)[:, None]
     logits = logits_bv / temp
-    sorted_desc = -jnp.sort(-logits, axis=-1)  # [B, V]
     v = logits.shape[-1]
+    c = v if candidates is None else min(candidates, v)
+    sorted_desc = -jnp.sort(-logits, axis=-1) if c == v else jax.lax.top_k(logits, c)[0]  # [B, C] descending
     k = jnp.where((st.top_k > 0) & (st.top_k < v), st.top_k, v)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    # top-p acts on the distribution left by top-k, renormalised (the HF warper order and vLLM's top_k_top_p).
-    in_top_k = jnp.arange(v)[None, :] < k[:, None]
-    probs_sorted = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, NEG_INF), axis=-1)
+    in_candidates = k <= c  # the top-k set lies among the candidates (always, with all V)
+    kth = jnp.take_along_axis(sorted_desc, jnp.minimum(k, c)[:, None] - 1, axis=-1)
+    kth = jnp.where(in_candidates[:, None], kth, NEG_INF)  # top-k off (k = V > C): no bound from it
+    # top-p acts on the distribution left by top-k, renormalised (the HF warper order and vLLM's top_k_top_p): over
+    # the top k candidates, or over the whole vocabulary when top-k is off.
+    in_top_k = jnp.arange(c)[None, :] < k[:, None]
+    lse = jnp.where(
+        in_candidates,
+        jax.nn.logsumexp(jnp.where(in_top_k, sorted_desc, NEG_INF), axis=-1),
+        jax.nn.logsumexp(logits, axis=-1),
+    )
+    probs_sorted = jnp.where(in_top_k, jnp.exp(sorted_desc - lse[:, None]), 0.0)
     # top-p: keep the smallest prefix whose mass reaches p (the token crossing p is kept); p = 1 keeps all, even
     # where the float32 cumsum reaches 1 early.
     mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    keep_sorted = (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
+    keep_all = st.top_p >= 1.0
+    keep_sorted = (mass_before < st.top_p[:, None]) | keep_all[:, None]
     n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
     pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
+    pth = jnp.where(keep_all[:, None], NEG_INF, pth)
     threshold = jnp.maximum(kth, pth)
     # min-p: drop tokens whose probability is below min_p times the top probability.
     min_logit = sorted_desc[:, :1] + jnp.log(jnp.maximum(st.min_p[:, None], 1e-30))
     threshold = jnp.where(st.min_p[:, None] > 0, jnp.maximum(threshold, min_logit), threshold)
-    return jnp.where(logits >= threshold, logits, NEG_INF)
+    exact = in_candidates | ((k >= v) & (keep_all | (n_keep < c)))
+    return jnp.where(logits >= threshold, logits, NEG_INF), exact
+
+
+def filter_logits(logits_bv: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Temperature-scaled logits with top-k, top-p and min-p applied (removed entries -> -inf)."""
+    return _filter(logits_bv, st, None)[0]
+
+
+def filter_logits_fast(logits_bv: jax.Array, st: SamplingTensors) -> jax.Array:
+    """`filter_logits`, from the top TOP_CANDIDATES logits when that decides every sampling row (temperature > 0)
+    exactly, else with the full-vocabulary sort (one lax.cond: the sort runs only for batches that need it)."""
+    fast, exact = _filter(logits_bv, st, TOP_CANDIDATES)
+    ok = jnp.all(exact | (st.temperature <= 0))
+    return jax.lax.cond(ok, lambda: fast, lambda: filter_logits(logits_bv, st))
 
 
 def unpack_bitmask(bitmask_bw: jax.Array, v: int) -> jax.Array:
@@ -155,7 +187,7 @@ def sample(
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
-        filtered = filter_logits(logits, st)
+        filtered = filter_logits_fast(logits, st)
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(st.seed, st.step)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
         return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)

@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.sampling import SamplingTensors, apply_penalties, filter_logits, sample
+from model.sampling import (
+    TOP_CANDIDATES,
+    SamplingTensors,
+    _filter,
+    apply_penalties,
+    filter_logits,
+    filter_logits_fast,
+    sample,
+)
 
 V = 24  # vocabulary of the toy rows
 DRAWS = 4000
@@ -142,6 +150,33 @@ def test_filter_logits_matches_definitions_exactly():
             keep &= set(np.flatnonzero(probs >= min_p[b] * probs.max()).tolist())
         assert set(np.flatnonzero(np.isfinite(out[b])).tolist()) == keep, b
         np.testing.assert_allclose(out[b][np.isfinite(out[b])], (logits[b] / temp[b])[np.isfinite(out[b])], rtol=1e-6)
+
+
+def test_candidate_filter_equals_full_sort():
+    """The top-TOP_CANDIDATES path keeps exactly the full sort's support (and values), row by row: top-k <= C
+    (with top-p and min-p inside), top-p alone whose mass the candidates hold; rows it cannot decide (top-k > C,
+    top-p beyond the candidates' mass) are flagged, and a batch holding one takes the full sort."""
+    v = 4096
+    rng = np.random.default_rng(7)
+    peaked = (rng.standard_normal((8, v)) * 4.0).astype(np.float32)  # most mass in a few dozen tokens
+    top_k = [5, 1, 256, 40, 0, 0, 0, 17]
+    top_p = [1.0, 1.0, 0.9, 0.8, 0.9, 0.5, 1.0, 0.95]
+    min_p = [0.0, 0.0, 0.0, 0.05, 0.0, 0.01, 0.0, 0.0]
+    st = _st(8, top_k=top_k, top_p=top_p, min_p=min_p, temperature=[1.0, 0.8, 1.0, 1.3, 0.7, 1.0, 1.0, 0.9])
+    fast, exact = _filter(jnp.asarray(peaked), st, TOP_CANDIDATES)
+    full = np.asarray(filter_logits(jnp.asarray(peaked), st))
+    assert np.asarray(exact).all()
+    np.testing.assert_array_equal(np.isfinite(np.asarray(fast)), np.isfinite(full))
+    np.testing.assert_array_equal(np.asarray(fast), full)
+    assert (np.isfinite(full).sum(-1) < v).sum() == 7  # every row but the unfiltered one really filters
+    # Flat logits: top-p 0.99 needs far more than C tokens, and top-k 1000 > C; the fast path must refuse them.
+    flat = (rng.standard_normal((3, v)) * 0.1).astype(np.float32)
+    st = _st(3, top_k=[0, 1000, 8], top_p=[0.99, 1.0, 1.0], temperature=1.0)
+    _, exact = _filter(jnp.asarray(flat), st, TOP_CANDIDATES)
+    assert np.asarray(exact).tolist() == [False, False, True]
+    got = np.asarray(jax.jit(filter_logits_fast)(jnp.asarray(flat), st))
+    np.testing.assert_array_equal(got, np.asarray(filter_logits(jnp.asarray(flat), st)))
+    assert np.isfinite(got[0]).sum() > TOP_CANDIDATES and np.isfinite(got[1]).sum() == 1000
 
 
 # Frequencies ------------------------------------------------------------------------------------------------------
