@@ -61,17 +61,18 @@ class MedusaHeads(nnx.Module):
         self.w = nnx.Param(w)  # [H, D, D]
         self.b = nnx.Param(jnp.zeros((h, d), dtype))  # [H, D]
 
-    def __call__(self, h_xd: jax.Array) -> jax.Array:
-        """Hidden states [..., D] -> per-head states [..., H, D] (the input of the target's LM head)."""
-        w, b = self.w[...], self.b[...]
+    def __call__(self, h_xd: jax.Array, num_heads: int | None = None) -> jax.Array:
+        """Hidden states [..., D] -> per-head states [..., H, D] (the input of the target's LM head); only the first
+        `num_heads` heads when given."""
+        w, b = self.w[...][:num_heads], self.b[...][:num_heads]
         z = jnp.einsum("...d,hde->...he", h_xd.astype(w.dtype), w) + b
         return h_xd[..., None, :].astype(w.dtype) + jax.nn.silu(z)
 
 
-def head_logits(heads: MedusaHeads, target, h_bd: jax.Array) -> jax.Array:
-    """Logits [B, H, V] float32 of every head, through the target's LM head (`target` a model/transformer.py
-    Transformer: its `head`)."""
-    z_bhd = heads(h_bd)
+def head_logits(heads: MedusaHeads, target, h_bd: jax.Array, num_heads: int | None = None) -> jax.Array:
+    """Logits [B, H, V] float32 of every head (or the first `num_heads`), through the target's LM head (`target` a
+    model/transformer.py Transformer: its `head`)."""
+    z_bhd = heads(h_bd, num_heads)
     return target.head(z_bhd.astype(target.dtype))
 
 

@@ -7,14 +7,16 @@
       -> LLM.generate (the target itself, --temperature)                  the target's own continuations
       -> target over prompt + continuation (one contiguous pass per batch, frozen):
            hidden h_p [N, T, D] (final-normed) and top --top_k of softmax(logits_p) per position
-      -> examples: (h_p, labels at p+1 .. p+H) for p from the last prompt position on
+      -> examples: (h_p, labels at p+1 .. p+H) for every position p (--prompt_positions; else from the last
+         prompt token on); the held-out split is by sequence
       -> optax AdamW (cosine decay) on the heads only: cross-entropy of head i at p against the target's
          distribution at p + i + 1 (soft labels, top-K renormalised)
       -> Orbax checkpoint + heads.json in --out_dir   (LLM(speculative_method="medusa", speculative_model=out_dir))
 
 Each step costs P x H projections through the target's LM head (P = --batch_positions), so on a CPU host keep H
 and P small. Besides the loss it prints each head's top-1 agreement with the target's greedy choice on a held-out
-slice of the examples: with greedy generation that is the acceptance the head would see.
+slice of the sequences (an estimate of the acceptance under greedy decoding: on prompt positions the
+context is corpus text, not the target's own tokens).
 """
 
 from __future__ import annotations
@@ -97,16 +99,21 @@ def _states(model, tokens_bt, lens_b, top_k: int):
     return hidden, ids, probs / jnp.sum(probs, axis=-1, keepdims=True)
 
 
-def distill_examples(model, prompts, continuations, num_heads: int, top_k: int, batch: int = 8) -> dict:
-    """Per trained position p (from the last prompt token on, with p + num_heads inside the sequence): the target's
-    hidden state and, for each head i, the target's top-k distribution at p + i + 1 and its greedy token there.
+def distill_examples(
+    model, prompts, continuations, num_heads: int, top_k: int, batch: int = 8, prompt_positions: bool = True
+) -> dict:
+    """Per trained position p (with p + num_heads inside the sequence; from the first token on, or with
+    `prompt_positions` False from the last prompt token on): the target's hidden state and, for each head i, the
+    target's top-k distribution at p + i + 1 and its greedy token there. Prompt positions add data at the cost of one
+    forward pass (no generation); their labels are still the target's own distributions, on corpus text.
 
-    Returns: dict of numpy arrays hidden [P, D], ids [P, H, K] int32, probs [P, H, K], greedy [P, H] int32.
+    Returns: dict of numpy arrays hidden [P, D], ids [P, H, K] int32, probs [P, H, K], greedy [P, H] int32, and
+    seq [P] int32 (the sequence each position is from: the held-out split is by sequence).
     """
     seqs = [list(p) + list(c) for p, c in zip(prompts, continuations)]
     width = max(len(s) for s in seqs)
     width = -(-width // 16) * 16  # few distinct shapes: one compilation
-    out = {k: [] for k in ("hidden", "ids", "probs", "greedy")}
+    out = {k: [] for k in ("hidden", "ids", "probs", "greedy", "seq")}
     for lo in range(0, len(seqs), batch):
         chunk = seqs[lo : lo + batch]
         tokens = np.zeros((batch, width), np.int32)
@@ -115,13 +122,14 @@ def distill_examples(model, prompts, continuations, num_heads: int, top_k: int, 
             tokens[j, : len(s)], lens[j] = s, len(s)
         hidden, ids, probs = (np.asarray(a) for a in _states(model, jnp.asarray(tokens), jnp.asarray(lens), top_k))
         for j, s in enumerate(chunk):
-            first = len(prompts[lo + j]) - 1
+            first = 0 if prompt_positions else len(prompts[lo + j]) - 1
             for p in range(first, len(s) - num_heads):
                 rows = np.arange(p + 1, p + 1 + num_heads)
                 out["hidden"].append(hidden[j, p])
                 out["ids"].append(ids[j, rows])
                 out["probs"].append(probs[j, rows])
                 out["greedy"].append(ids[j, rows, 0])
+                out["seq"].append(lo + j)
     if not out["hidden"]:
         raise ValueError("no training positions: continuations shorter than num_heads")
     return {k: np.stack(v) for k, v in out.items()}
@@ -148,10 +156,12 @@ def _agreement(heads, target, hidden, greedy):
 
 def train(target, data: dict, cfg: TrainConfig, log=print) -> tuple[MedusaHeads, dict]:
     """Trains heads on `distill_examples` output (target frozen); returns (heads, history)."""
-    n = data["hidden"].shape[0]
-    n_eval = int(n * cfg.eval_fraction)
-    perm = np.random.default_rng(cfg.seed).permutation(n)
-    ev, tr = perm[:n_eval], perm[n_eval:]
+    # Held out by whole sequences: neighbouring positions of one sequence (greedy text repeats itself) would leak.
+    seqs = np.unique(data["seq"])
+    held = np.random.default_rng(cfg.seed).permutation(seqs)[: int(len(seqs) * cfg.eval_fraction)]
+    in_eval = np.isin(data["seq"], held)
+    ev, tr = np.flatnonzero(in_eval), np.flatnonzero(~in_eval)
+    n_eval = len(ev)
     hc = HeadsConfig(cfg.num_heads, target.cfg.hidden_size, target.cfg.vocab_size)
     heads = MedusaHeads(hc, dtype=jnp.float32)
     schedule = optax.cosine_decay_schedule(cfg.lr, cfg.steps, alpha=0.1)
@@ -179,14 +189,25 @@ def train(target, data: dict, cfg: TrainConfig, log=print) -> tuple[MedusaHeads,
     return heads, history
 
 
-def run(llm, prompts, max_tokens: int, temperature: float, cfg: TrainConfig, out_dir: str, notes=None, log=print):
+def run(
+    llm,
+    prompts,
+    max_tokens: int,
+    temperature: float,
+    cfg: TrainConfig,
+    out_dir: str,
+    notes=None,
+    log=print,
+    prompt_positions: bool = True,
+):
     """Generate, collect, train, save: the whole pipeline over an LLM (the binary's body); returns the history."""
     t0 = time.perf_counter()
     conts = self_generate(llm, prompts, max_tokens, temperature, cfg.seed)
     log(f"generated {sum(map(len, conts))} tokens for {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s")
-    data = distill_examples(llm.model, prompts, conts, cfg.num_heads, cfg.top_k)
+    data = distill_examples(llm.model, prompts, conts, cfg.num_heads, cfg.top_k, prompt_positions=prompt_positions)
     heads, history = train(llm.model, data, cfg, log)
-    save_heads(out_dir, heads, {**(notes or {}), **dataclasses.asdict(cfg), **history, "max_tokens": max_tokens})
+    extra = dict(max_tokens=max_tokens, temperature=temperature, prompt_positions=prompt_positions)
+    save_heads(out_dir, heads, {**(notes or {}), **dataclasses.asdict(cfg), **history, **extra})
     log(f"wrote {out_dir}")
     return history
 
@@ -208,7 +229,7 @@ def main(argv):
     llm = LLM(f.model, max_num_seqs=f.max_num_seqs, max_model_len=f.prompt_len + f.max_tokens + 16)
     prompts = corpus_prompts(llm.tokenizer, files, f.num_prompts, f.prompt_len, f.seed)
     notes = dict(model=f.model, corpus=f.corpus, holdout=sorted(holdout), corpus_files=len(files))
-    history = run(llm, prompts, f.max_tokens, f.temperature, cfg, f.out_dir, notes)
+    history = run(llm, prompts, f.max_tokens, f.temperature, cfg, f.out_dir, notes, prompt_positions=f.prompt_positions)
     print(json.dumps({k: v for k, v in history.items() if k != "loss"}))
 
 
@@ -228,6 +249,7 @@ def _define_flags():
     flags.DEFINE_integer("prompt_len", 32, "tokens per prompt")
     flags.DEFINE_integer("max_tokens", 64, "tokens the target generates per prompt")
     flags.DEFINE_float("temperature", 0.0, "sampling temperature of the self-generation (0: greedy)")
+    flags.DEFINE_bool("prompt_positions", True, "also train on the prompts' positions (target labels on corpus text)")
     flags.DEFINE_integer("max_num_seqs", 16, "engine batch for the self-generation")
     flags.DEFINE_integer("seed", 0, "data and initialisation seed")
 

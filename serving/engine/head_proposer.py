@@ -85,11 +85,11 @@ class MedusaProposer(Proposer):
         h = jnp.concatenate(pieces + [jnp.zeros((b - len(live), pieces[0].shape[-1]), pieces[0].dtype)])
         st = SamplingTensors.from_rows([{}] * len(rows)) if st is None else st
         st_live = pad_sampling(jax.tree.map(lambda a: np.asarray(a)[[i for i, _ in live]], st), b)
-        tokens, q = _draft(self._graph, self._state, self._runner.graphdef, self._runner.params, h, st_live)
+        # Only the k_max heads asked for run (each costs one pass through the LM head): one compilation per tier.
+        tokens, q = _draft(self._graph, self._state, self._runner.graphdef, self._runner.params, h, st_live, k_max)
         tokens = np.asarray(tokens)
         probs = jnp.zeros((len(rows), k_max, q.shape[-1]), jnp.float32)
-        idx = np.asarray([i for i, _ in live])
-        probs = probs.at[idx].set(q[: len(live), :k_max])
+        probs = probs.at[np.asarray([i for i, _ in live])].set(q[: len(live)])
         for j, (i, _) in enumerate(live):
             draft[i, : rows[i].k] = tokens[j, : rows[i].k]
             num[i] = rows[i].k
@@ -103,12 +103,13 @@ class MedusaProposer(Proposer):
         return set(self._hidden)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _draft(heads_graph, heads_state, target_graph, target_params, h_bd, st: SamplingTensors):
-    """(drafts [B, H], q [B, H, V]): head i's processed distribution and a draw from it (argmax when greedy)."""
+@functools.partial(jax.jit, static_argnums=(0, 2, 6))
+def _draft(heads_graph, heads_state, target_graph, target_params, h_bd, st: SamplingTensors, num_heads: int):
+    """(drafts [B, k], q [B, k, V]) of the first k = num_heads heads: head i's processed distribution and a draw
+    from it (its argmax for greedy rows)."""
     heads = nnx.merge(heads_graph, heads_state)
     target = nnx.merge(target_graph, target_params)
-    logits = head_logits(heads, target, h_bd)  # [B, H, V]
+    logits = head_logits(heads, target, h_bd, num_heads)  # [B, k, V]
     q = processed_target_probs(logits, st)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, _DRAFT_STREAM))(row_keys(st.seed, st.step))
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, q.shape[1:], jnp.float32))(keys)  # [B, H, V]
