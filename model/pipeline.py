@@ -4,11 +4,18 @@
 model's layer list for all of them, so the Transformer's embedding, head, caches and metadata code is unchanged:
 
     tokens -> embed -> [PipelinedLayers: L layers in p stages] -> norm -> lm_head
-    caches:  [(k [L, Hkv, P, ps, hd], v ...)]  one "layer" holding every layer's pages, the L axis on "pipeline"
+    caches:  [per-stage pools]   one "layer" holding every layer's pages (below)
 
-Each layer parameter is stacked on a leading layer axis sharded over "pipeline", so stage s holds layers
-s*n .. s*n + n - 1 (n = L / p) and only their KV pages. Inside a stage, tensor parallelism works as without
-pipelining (GSPMD on the auto "tensor" axis; the KV write + kernel in model/kv.py's nested shard_map).
+Stage s holds layers s*n .. s*n + n - 1 (n = L / p) and only their KV pages. The arrays are grouped by a stage's
+local layer l: entry l stacks global layers l, n + l, 2n + l, ... on a leading [p] axis sharded over "pipeline", so
+inside the stage program its slice is [1, ...] and taking it is free (a slice of an [L, ...] stack would be a copy
+of the layer's weights and pages at every tick):
+
+    stack[l]: every parameter of layers {s*n + l}   [p, ...]               stage s: [1, ...] = layer s*n + l
+    cache:    [((k_l, v_l) for l < n)]              each [p, Hkv, P, ps, hd]
+
+Inside a stage, tensor parallelism works as without pipelining (GSPMD on the auto "tensor" axis; the KV write +
+kernel in model/kv.py's nested shard_map).
 
 The step's batch is cut into m microbatches (a decode batch by rows, a ragged batch by contiguous token chunks)
 that flow through the stages in m + p - 1 ticks; at tick t stage s runs microbatch t - s, then hands its
@@ -66,7 +73,7 @@ class PipelinedLayers(nnx.Module):
     """All L layers of a Transformer as p pipeline stages; called like one Block of model/transformer.py.
 
     Attributes:
-        stack: every layer parameter stacked [L, ...], the layer axis sharded over "pipeline".
+        stack: per local layer l, its parameters of every stage stacked [p, ...], sharded over "pipeline".
         graphdefs: the n = L / p layer graphs of a stage (stage s's layer l has the structure of layer l).
         num_microbatches: m, microbatches per step (fewer when the batch does not divide; `microbatches`).
     """
@@ -79,10 +86,10 @@ class PipelinedLayers(nnx.Module):
         n = cfg.num_layers // p
         graphdefs, states = zip(*(nnx.split(layer) for layer in model.layers))
         self.graphdefs = graphdefs[:n]
-        self.stack = nnx.data(_stack_placed(states, mesh, cfg.head_dim))
+        self.stack = nnx.data([_stack_placed(states[l::n], mesh, cfg.head_dim) for l in range(n)])
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache, meta: PagedMeta, valid=None):
-        """x [1, T, D] of the whole step -> (x [1, T, D] after all layers, stacked cache, None)."""
+        """x [1, T, D] of the whole step -> (x [1, T, D] after all layers, the per-stage pools, None)."""
         del inv_freq, valid  # each stage layer's own RoPE base; dense layers count no router statistics
         x, cache, _ = self.run(x_btd[0], positions_bt[0], cache, meta)
         return x[None], cache, None
@@ -102,7 +109,7 @@ class PipelinedLayers(nnx.Module):
             axis_names={PIPELINE},
             check_vma=False,
         )
-        outs, cache, busy = stage(self.stack, tuple(cache), x_mb, pos_mb, mbs)
+        outs, cache, busy = stage(self.stack, tuple(map(tuple, cache)), x_mb, pos_mb, mbs)
         return outs[p - 1].reshape(t, -1), cache, busy  # the last stage's outputs [p, m, T/m, D] -> [T, D]
 
     def _stage(self, stack, kv, x_mb, pos_mb, mbs: PagedMeta):
@@ -131,20 +138,20 @@ class PipelinedLayers(nnx.Module):
         return outs[None], kv, busy_ticks[None]
 
     def _layers(self, stack, kv, h_td, pos_t, meta):
-        """The stage's n layers on one microbatch h [T/m, D]; stacked arrays indexed by the local layer l."""
-        cfg, h = self.cfg, h_td[None]
+        """The stage's n layers on one microbatch h [T/m, D]; every array here is its stage's [1, ...] slice."""
+        cfg, h, new_kv = self.cfg, h_td[None], []
         for l, graphdef in enumerate(self.graphdefs):
-            block = nnx.merge(graphdef, jax.tree.map(lambda a, l=l: a[l], stack))
+            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stack[l]))
             inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(l), cfg.rope_scaling)
-            h, cache, _ = block(h, pos_t[None], inv_freq, tuple(a[l] for a in kv), meta)
-            kv = tuple(a.at[l].set(c) for a, c in zip(kv, cache))
-        return h[0], kv
+            h, cache, _ = block(h, pos_t[None], inv_freq, tuple(a[0] for a in kv[l]), meta)
+            new_kv.append(tuple(c[None] for c in cache))
+        return h[0], tuple(new_kv)
 
 
 def _stack_placed(states, mesh, head_dim: int):
-    """Per-layer states -> one state of [L, ...] arrays, the layer axis on "pipeline" and the others as each layer
-    already lies (placed on its stage by sharding/rules.py param_shardings, with whatever layout placement chose),
-    or, for layers not placed yet, as the rules table says for their canonical name."""
+    """The states of one local layer, one per stage -> one state of [p, ...] arrays, the stage axis on "pipeline" and
+    the others as each layer already lies (placed on its stage by sharding/rules.py param_shardings, in whatever
+    layout placement chose), or, for layers not placed yet, as the rules table says for their canonical name."""
     leaves = [jax.tree_util.tree_leaves_with_path(s, is_leaf=lambda x: isinstance(x, QuantizedArray)) for s in states]
     if any(isinstance(v, QuantizedArray) for _, v in leaves[0]):
         raise ValueError("pipeline_parallel_size > 1 needs float weights (quantized linear weights are not stacked)")
@@ -208,21 +215,22 @@ def pipelined(model: Transformer, mesh: jax.sharding.Mesh, num_microbatches: int
 
 def init_stage_cache(
     num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, mesh
-) -> list[tuple[jax.Array, ...]]:
-    """The paged pool as one stacked "layer" [(k [L, Hkv, P, ps, hd], v, (scales [L, Hkv, P, ps]))]: the layer axis
-    on "pipeline", so each stage's devices hold only the pages of its layers."""
+) -> list[tuple[tuple[jax.Array, ...], ...]]:
+    """The paged pool as one "layer" of the runner's cache list: [((k_l, v_l[, k_scales_l, v_scales_l]) for each
+    local layer l < n)], every array [p, Hkv, P, ps, hd] (scales [p, Hkv, P, ps]) with its stage axis on
+    "pipeline", so each stage's devices hold only the pages of its own layers s*n + l."""
+    p = num_stages(mesh)
     one = init_paged_cache(1, num_pages, page_size, num_kv_heads, head_dim, dtype)[0]
-
-    shardings = tuple(kv_cache_sharding((num_layers, *a.shape), mesh, stacked=True) for a in one)
+    shardings = tuple(kv_cache_sharding((p, *a.shape), mesh, stacked=True) for a in one)
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def init():
-        return tuple(jnp.broadcast_to(a, (num_layers, *a.shape)) for a in one)
+        return tuple(jnp.broadcast_to(a, (p, *a.shape)) for a in one)
 
-    return [init()]
+    return [tuple(init() for _ in range(num_layers // p))]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def copy_stage_pages(kv, src, dst):
-    """Copy-on-write in the stacked pool: block dst := block src in every layer (page axis 2; scales too)."""
-    return [tuple(a.at[:, :, dst].set(a[:, :, src]) for a in layer) for layer in kv]
+    """Copy-on-write in the per-stage pools: block dst := block src in every layer (page axis 2; scales too)."""
+    return jax.tree.map(lambda a: a.at[:, :, dst].set(a[:, :, src]), kv)

@@ -62,17 +62,17 @@ for degrees in [{}] + meshes:
     pp, tp = degrees.get("pipeline_parallel_size", 1), degrees.get("tensor_parallel_size", 1)
     if pp > 1:
         n, heads = cfg.num_layers // pp, kv_cache_heads(cfg.num_kv_heads, runner.mesh)
-        (pool,) = runner.kv_cache  # one stacked "layer": every array [L, Hkv, P, ...]
-        stack = jax.tree.leaves(runner.params["layers"][0]["stack"])
-        for arr in (*pool, *stack):
-            assert len(arr.sharding.device_set) == runner.mesh.size, arr.sharding
-            stage_of = {d: s for s in range(pp) for d in runner.mesh.devices[:, s].flat}
+        (pools,) = runner.kv_cache  # one "layer": per local layer l, arrays [pp, Hkv, P, ...], stage s = layer s*n + l
+        stack = runner.params["layers"][0]["stack"]  # per local layer l, its weights of every stage [pp, ...]
+        assert len(pools) == len(stack) == n, (len(pools), len(stack))
+        stage_of = {d: s for s in range(pp) for d in runner.mesh.devices[:, s].flat}
+        for arr in jax.tree.leaves((pools, stack)):
+            assert arr.shape[0] == pp and len(arr.sharding.device_set) == runner.mesh.size, arr.sharding
             for device, index in arr.sharding.devices_indices_map(arr.shape).items():
-                layers = range(*index[0].indices(arr.shape[0]))
-                assert list(layers) == list(range(stage_of[device] * n, stage_of[device] * n + n)), (device, index)
-        for arr in pool:
-            assert arr.shape[:2] == (cfg.num_layers, heads) and arr.sharding.shard_shape(arr.shape)[:2] == (
-                n, heads // tp), (arr.shape, arr.sharding)
+                assert range(*index[0].indices(pp)) == range(stage_of[device], stage_of[device] + 1), (device, index)
+        for arr in jax.tree.leaves(pools):
+            assert arr.shape[1] == heads and arr.sharding.shard_shape(arr.shape)[:2] == (1, heads // tp), (
+                arr.shape, arr.sharding)
     results[json.dumps(degrees)] = [list(o.token_ids) for o in first + second]
 base = results.pop("{}")
 for key, got in results.items():
@@ -248,13 +248,14 @@ def test_copy_stage_pages_copies_every_layer():
     from model.pipeline import copy_stage_pages
 
     rng = np.random.default_rng(0)
-    pages = rng.standard_normal((3, 2, 6, 4, 8)).astype(np.float32)  # [L, Hkv, P, ps, hd]
-    scales = rng.standard_normal((3, 2, 6, 4)).astype(np.float32)  # [L, Hkv, P, ps]
+    pages = rng.standard_normal((3, 2, 6, 4, 8)).astype(np.float32)  # [p, Hkv, P, ps, hd]
+    scales = rng.standard_normal((3, 2, 6, 4)).astype(np.float32)  # [p, Hkv, P, ps]
     src, dst = jnp.asarray([4, 0], jnp.int32), jnp.asarray([1, 0], jnp.int32)  # 4 -> 1, and the null self-copy
-    (got,) = copy_stage_pages([(jnp.asarray(pages), jnp.asarray(pages), jnp.asarray(scales))], src, dst)
+    layers = [tuple(jnp.asarray(a) for a in (pages, pages, scales)) for _ in range(2)]  # two local layers
+    ((got_0, got_1),) = copy_stage_pages([tuple(layers)], src, dst)
     want_pages, want_scales = pages.copy(), scales.copy()
     want_pages[:, :, 1], want_scales[:, :, 1] = pages[:, :, 4], scales[:, :, 4]
-    for a, want in zip(got, (want_pages, want_pages, want_scales)):
+    for a, want in zip((*got_0, *got_1), (want_pages, want_pages, want_scales) * 2):
         np.testing.assert_array_equal(np.asarray(a), want)
 
 
