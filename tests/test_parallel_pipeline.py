@@ -51,6 +51,8 @@ a, c = rng.integers(3, 500, 21).tolist(), rng.integers(3, 500, 3).tolist()
 b = a[:12] + rng.integers(3, 500, 5).tolist()  # shares a's first 3 blocks of 4 tokens
 options = dict(attention_backend="xla", max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_kv_blocks=48,
                decode_steps=4, enable_prefix_caching=True, max_model_len=64, warmup=False, compilation_cache_dir="")
+if len(sys.argv) > 4:  # e.g. kv_cache_dtype=int8: quantised pages and their scales, per stage
+    options.update(json.loads(sys.argv[4]))
 results = {}
 for degrees in [{}] + meshes:
     engine = LLMEngine(make(), NullTokenizer(), EngineConfig.from_kwargs(**options, **degrees))
@@ -184,6 +186,12 @@ def test_pipeline_tiny_2_4_and_tp_x_pp():
     """4 layers in 2 and 4 stages, and tp=2 x pp=2 (KV heads split inside each stage), tp=4 x pp=2 (repeated)."""
     out = _run(ENGINE, "tiny", json.dumps([_pp(2), _pp(4), _pp(2, 2), _pp(2, 4)]), "9")
     assert len(out["meshes"]) == 4 and all(len(t) in (9, 6) for t in out["tokens"])
+
+
+@pytest.mark.slow
+def test_pipeline_int8_kv():
+    """int8 KV pages with their per-token scales, stacked per stage like the pages (pp 2, tp 2 x pp 2)."""
+    _run(ENGINE, "tiny", json.dumps([_pp(2), _pp(2, 2)]), "9", json.dumps({"kv_cache_dtype": "int8"}))
 
 
 @pytest.mark.slow
