@@ -9,6 +9,7 @@ checkpoint with a byte-level tokenizer, so the binary loads it like any model di
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -165,3 +166,73 @@ def test_binaries_refuse_a_mesh_that_does_not_fit(module, args, tmp_path):
         )
         assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stdout[-2000:], proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+REFERENCE = r"""
+import json, sys
+from serving.engine.llm import LLM
+llm = LLM(sys.argv[1], attention_backend="xla", compilation_cache_dir="", max_model_len=64, warmup=False)
+print("TEXT" + json.dumps(llm.generate(["Hello there, sea"], max_tokens=10, temperature=0.0)[0].text))
+"""
+
+
+@pytest.mark.slow
+def test_server_as_two_processes_serves_what_one_engine_generates(tmp_path):
+    """`python -m serving.server` with the multi-host flags on 2 processes x 4 CPU devices (tp=8): process 0
+    answers HTTP with the text a one-device LLM generates; on SIGTERM it releases process 1, and both exit 0."""
+    import signal
+    import time
+
+    import httpx
+
+    model = str(tmp_path / "tiny")
+    _tiny_checkpoint(model)
+    port, http_port = str(_free_port()), _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": ROOT}
+    args = [f"--model={model}", "--attention_backend=xla", "--compilation_cache_dir=", "--max_model_len=64"]
+    args += ["--nowarmup", "--tensor_parallel_size=8", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "serving.server", *args, f"--process_id={i}", f"--port={http_port + i}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    reference = subprocess.Popen(
+        [sys.executable, "-c", REFERENCE, model],
+        cwd=ROOT,
+        env={**env, "XLA_FLAGS": ""},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url, deadline = f"http://127.0.0.1:{http_port}", time.monotonic() + 400
+        while True:
+            assert procs[0].poll() is None and procs[1].poll() is None, "a server process exited early"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the multi-host server never became healthy"
+            time.sleep(1)
+        body = {"model": "tiny", "prompt": "Hello there, sea", "max_tokens": 10, "temperature": 0.0}
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        with pytest.raises(httpx.HTTPError):  # process 1 serves nothing
+            httpx.get(f"http://127.0.0.1:{http_port + 1}/health", timeout=2)
+        procs[0].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120) for p in procs]
+        ref_out, ref_err = reference.communicate(timeout=300)
+    finally:
+        for p in [*procs, reference]:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{out[-2000:]}\n{err[-4000:]}"
+    assert reference.returncode == 0, ref_err[-3000:]
+    assert got == json.loads(ref_out.split("TEXT", 1)[1]), (got, ref_out)

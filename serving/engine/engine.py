@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from model.sampling import SamplingTensors
 from serving.config import EngineConfig
@@ -77,6 +78,8 @@ class LLMEngine:
         num_blocks = c.num_kv_blocks or size_kv_pool(
             model, c.block_size, kv_dtype, c.kv_cache_memory_fraction, default_blocks
         )
+        if jax.process_count() > 1 and not c.num_kv_blocks:  # one pool shape on every host: the smallest fits all
+            num_blocks = int(np.min(multihost_utils.process_allgather(np.int32(num_blocks))))
         log.info(
             "KV pool: %d blocks of %d tokens = %d tokens (%.2f GB of %s)",
             num_blocks,

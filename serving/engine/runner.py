@@ -104,7 +104,7 @@ def size_kv_pool(model: Transformer, block_size: int, dtype, memory_fraction: fl
     """Blocks that fit in `memory_fraction` of the memory left after loading, at most `max_blocks` (what the
     engine's limits can ever use). Accelerators: the device's free memory; a CPU host: the host's available
     memory (the KV pool lives in host RAM there)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # local: a multi-host job cannot read the others' memory
     limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
     free = (limit - used) if limit else _host_free_bytes()
     if free is None:
