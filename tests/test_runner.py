@@ -6,6 +6,7 @@ scoring (no cache) to float rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -192,3 +193,45 @@ def test_steps_never_copy_the_kv_pool(model):
     for name, exe in executables.items():
         copies = [line for line in exe.as_text().splitlines() if " copy(" in line and pool in line]
         assert not copies, f"{name} copies the KV pool: {copies[:2]}"
+
+
+def test_sampling_tensors_columns_match_the_per_row_dicts():
+    """engine._sampling_tensors builds columns from tuples; it must equal SamplingTensors.from_rows on the dicts."""
+    from serving.core.request import Request, SamplingParams
+    from serving.engine.engine import _sampling_tensors
+
+    params = [
+        SamplingParams(max_tokens=4, temperature=0.0, seed=3),
+        SamplingParams(max_tokens=4, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=2**33 + 7),
+        SamplingParams(
+            max_tokens=4,
+            temperature=1.1,
+            repetition_penalty=1.2,
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            seed=11,
+        ),
+    ]
+    reqs = [Request(str(i), [1, 2, 3], p) for i, p in enumerate(params)]
+    reqs[1].output_token_ids.extend([5, 6])
+    got = _sampling_tensors(reqs, [0, 2, 1])
+    rows = [
+        dict(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            seed=p.seed % 2**32,
+            step=r.num_output_tokens + a,
+        )
+        for r, p, a in zip(reqs, params, [0, 2, 1])
+    ]
+    want = SamplingTensors.from_rows(rows)
+    for field in dataclasses.fields(SamplingTensors):
+        g, w = getattr(got, field.name), getattr(want, field.name)
+        assert g.dtype == w.dtype and g.shape == (3,), field.name
+        np.testing.assert_array_equal(g, w, err_msg=field.name)
+    assert _sampling_tensors([], 0).temperature.shape == (0,)

@@ -100,6 +100,7 @@ class LLMEngine:
             max_logits_per_row=1 + c.speculative.num_speculative_tokens,  # a verify row: last token + k drafts
             executable_cache_dir=_executable_dir(c.compilation_cache_dir),
             mesh=_mesh(c, model.cfg, devices),
+            pipeline_microbatches=c.pipeline_microbatches or None,
         )
         self.scheduler = Scheduler(
             num_blocks,
@@ -392,25 +393,28 @@ def _find_stop(text: str, stops: Sequence[str]) -> int | None:
 
 
 def _sampling_tensors(reqs: Sequence[Request], ahead: Sequence[int] | int = 0) -> SamplingTensors:
-    """Per-row sampling parameters; `ahead`: tokens each row is past its request's state (a chained loop)."""
+    """Per-row sampling parameters; `ahead`: tokens each row is past its request's state (a chained loop).
+
+    Built column-wise from one tuple per row (one numpy conversion per dtype): this runs before every decode loop
+    and verify pass, and a dict per row with a lookup per field cost ~30% of the host's work per loop at batch 64.
+    """
     ahead = [ahead] * len(reqs) if isinstance(ahead, int) else ahead
-    rows = []
-    for r, a in zip(reqs, ahead):
-        p = r.sampling_params
-        rows.append(
-            dict(
-                temperature=p.temperature,
-                top_k=p.top_k,
-                top_p=p.top_p,
-                min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty,
-                presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty,
-                seed=p.seed % (2**32),
-                step=r.num_output_tokens + a,
-            )
-        )
-    return SamplingTensors.from_rows(rows)
+    ps = [r.sampling_params for r in reqs]
+    f = np.array(
+        [(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in ps],
+        np.float32,
+    ).reshape(len(ps), 6)
+    return SamplingTensors(
+        temperature=f[:, 0],
+        top_k=np.array([p.top_k for p in ps], np.int32),
+        top_p=f[:, 1],
+        min_p=f[:, 2],
+        repetition_penalty=f[:, 3],
+        presence_penalty=f[:, 4],
+        frequency_penalty=f[:, 5],
+        seed=np.array([p.seed % (2**32) for p in ps], np.uint32),
+        step=np.array([r.num_output_tokens + a for r, a in zip(reqs, ahead)], np.int32),
+    )
 
 
 def _pad_ids(lists: Sequence[Sequence[int]], s: int) -> np.ndarray:

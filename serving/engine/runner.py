@@ -129,6 +129,7 @@ class ModelRunner:
       max_logits_per_row: the most logits one row may ask for (1 + the most draft tokens of a verify row).
       executable_cache_dir: where compiled executables are stored and loaded (serving/engine/executable_cache.py);
         None: compile every time.
+      pipeline_microbatches: microbatches per step on a mesh with pipeline stages (None: one per stage).
     """
 
     def __init__(
@@ -145,12 +146,14 @@ class ModelRunner:
         mesh: jax.sharding.Mesh | None = None,
         max_logits_per_row: int = 1,
         executable_cache_dir: str | None = None,
+        pipeline_microbatches: int | None = None,
     ):
         self.cfg = model.cfg
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), devices=jax.devices()[:1])
         self.pipelined = num_stages(self.mesh) > 1  # layers stacked into stages, the KV pool too (model/pipeline.py)
         model = place_on_mesh(model, self.mesh)  # sharding/rules.py, in place: each layer on its stage's devices
-        self.graphdef, self.params = nnx.split(pipelined(model, self.mesh) if self.pipelined else model)
+        model = pipelined(model, self.mesh, pipeline_microbatches) if self.pipelined else model
+        self.graphdef, self.params = nnx.split(model)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks = -(-max_model_len // block_size)
@@ -233,8 +236,10 @@ class ModelRunner:
         return jax.jit(loop, donate_argnums=(1,))
 
     def _executable(self, key: tuple, build, args):
+        """The executable for `key`; `args` (abstract arguments, or a function making them) only on a miss."""
         exe = self._compiled.get(key)
         if exe is None:
+            args = args() if callable(args) else args
             exe = self._from_disk(key, args)
             if exe is None:
                 exe = build().lower(*args).compile()
@@ -331,7 +336,7 @@ class ModelRunner:
 
     def _get_step(self, t: int, s: int, w: int, decode_only: bool, n_logits: int):
         key = ("step", t, s, w, decode_only, n_logits)
-        return self._executable(key, lambda: self._step_fn(decode_only), self._step_args(t, s, w, n_logits))
+        return self._executable(key, lambda: self._step_fn(decode_only), lambda: self._step_args(t, s, w, n_logits))
 
     def _width(self, tables: Sequence[Sequence[int]]) -> int:
         """Smallest table-width bucket holding every row's block table."""
@@ -340,7 +345,7 @@ class ModelRunner:
 
     def _get_loop(self, num_steps: int, s: int, w: int):
         return self._executable(
-            ("loop", num_steps, s, w), lambda: self._loop_fn(num_steps), self._loop_args(num_steps, s, w)
+            ("loop", num_steps, s, w), lambda: self._loop_fn(num_steps), lambda: self._loop_args(num_steps, s, w)
         )
 
     _max_banned = 8
