@@ -49,14 +49,29 @@ def _safe(scale: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(scale) & (scale > TINY), scale, jnp.where(jnp.isfinite(scale), TINY, 1.0))
 
 
-def int4_group_params(w_kn: jax.Array, group_size: int, asymmetric: bool):
-    """Scales (and integer zero points) [K/g, N] of each group of g input rows."""
+ZERO_POINTS = ("int", "float")
+CLIP_STEPS = 20  # shrink factors 1, 0.975, ..., 0.525 of a group's range tried by the clip search
+
+
+def int4_group_params(w_kn: jax.Array, group_size: int, asymmetric: bool, zero_point: str = "int", shrink=1.0):
+    """Scales (and zero points) [K/g, N] of each group of g input rows, for the group's range times `shrink`.
+
+    zero_point (asymmetric): "int" puts 0 inside the range and rounds the zero point to an integer code (the
+    GPTQ / AWQ kernels' convention); "float" uses [min, max] itself with zero = -min / scale, a real number (GGUF
+    Q4_1's convention; our zeros are float32, so the format and kernels take it as is): all 16 codes cover the
+    group's values, none is spent on reaching 0.
+    """
+    if zero_point not in ZERO_POINTS:
+        raise ValueError(f"zero_point must be one of {ZERO_POINTS}, got {zero_point!r}")
     k, n = w_kn.shape
     wg = w_kn.reshape(k // group_size, group_size, n)
     if not asymmetric:
-        return _safe(jnp.max(jnp.abs(wg), axis=1) / 7.0), None
-    lo = jnp.minimum(jnp.min(wg, axis=1), 0.0)
-    hi = jnp.maximum(jnp.max(wg, axis=1), 0.0)
+        return _safe(jnp.max(jnp.abs(wg), axis=1) * shrink / 7.0), None
+    lo, hi = jnp.min(wg, axis=1) * shrink, jnp.max(wg, axis=1) * shrink
+    if zero_point == "float":
+        scale = _safe((hi - lo) / 15.0)
+        return scale, -lo / scale
+    lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)
     scale = _safe((hi - lo) / 15.0)
     return scale, jnp.clip(jnp.round(-lo / scale), 0, 15)
 
@@ -65,15 +80,55 @@ def int4_codes(w_kn, scales, zeros, group_size):
     """Codes [K, N] of w for given group scales / zero points (zero 8 when symmetric)."""
     s = jnp.repeat(scales, group_size, axis=0)
     z = 8.0 if zeros is None else jnp.repeat(zeros, group_size, axis=0)
-    return jnp.clip(jnp.round(w_kn / s) + z, 0, 15)
+    return jnp.clip(jnp.round(w_kn / s + z), 0, 15)  # = round(w / s) + z for an integer z
 
 
-def rtn(w_kn, fmt: str, *, group_size: int = 128, asymmetric: bool = False, per_tensor: bool = False):
+@functools.partial(jax.jit, static_argnames=("group_size", "asymmetric", "zero_point", "steps"))
+def int4_clip_search(w_kn, x_tk, group_size: int, asymmetric: bool, zero_point: str = "int", steps=CLIP_STEPS):
+    """Group scales / zeros whose range is shrunk by the factor (of `steps` in (0.5, 1]) that minimises each
+    group's output error e^T H_g e per output channel, H_g = x_g^T x_g / T the group's block of the input Hessian
+    (AWQ's clip search; GPTQ's `mse` grid with the inputs' weighting). Clipping a few large weights buys a finer
+    step for all the others."""
+    w = jnp.asarray(w_kn, jnp.float32)
+    x = jnp.asarray(x_tk, jnp.float32)
+    k, n = w.shape
+    g = group_size
+    wg = w.reshape(k // g, g, n)
+    xg = x.reshape(x.shape[0], k // g, g)
+    h_gij = jnp.einsum("tgi,tgj->gij", xg, xg, precision="highest") / x.shape[0]  # [K/g, g, g]
+
+    def params(shrink):
+        sc, z = int4_group_params(w, g, asymmetric, zero_point, shrink)
+        return sc, (8.0 * jnp.ones_like(sc) if z is None else z)
+
+    def error(sc, z):
+        codes = int4_codes(w, sc, z, g).reshape(k // g, g, n)
+        e = wg - (codes - z[:, None]) * sc[:, None]
+        return jnp.einsum("gin,gij,gjn->gn", e, h_gij, e, precision="highest")
+
+    def body(j, best):
+        sc, z = params(1.0 - 0.5 * j / steps)
+        err = error(sc, z)
+        better = err < best[0]
+        return tuple(jnp.where(better, new, old) for new, old in zip((err, sc, z), best))
+
+    sc, z = params(1.0)
+    _, sc, z = jax.lax.fori_loop(1, steps, body, (error(sc, z), sc, z))
+    return sc, (z if asymmetric else None)
+
+
+def _int4_array(w_kn, scales, zeros, group_size) -> QuantizedArray:
+    values = pack_int4(int4_codes(w_kn, scales, zeros, group_size))
+    return QuantizedArray(values, scales, zeros, fmt="int4", group_size=group_size)
+
+
+def rtn(w_kn, fmt: str, *, group_size: int = 128, asymmetric: bool = False, per_tensor: bool = False, zero_point="int"):
     """Round-to-nearest QuantizedArray of w [K, N].
 
     Args:
         fmt: "int8" (per output channel, symmetric), "fp8" (e4m3, per channel or `per_tensor`), "int4"
-            (per group of `group_size` input rows; symmetric, or `asymmetric` with integer zero points).
+            (per group of `group_size` input rows; symmetric, or `asymmetric` with `zero_point` "int" or
+            "float": int4_group_params).
     """
     w = jnp.asarray(w_kn, jnp.float32)
     if fmt == "int8":
@@ -87,9 +142,8 @@ def rtn(w_kn, fmt: str, *, group_size: int = 128, asymmetric: bool = False, per_
         raise ValueError(f"rtn: unknown fmt {fmt!r}; choose int8, fp8 or int4")
     if w.shape[0] % group_size or group_size % 2:
         raise ValueError(f"rtn: K={w.shape[0]} is not a multiple of group_size={group_size}")
-    scales, zeros = int4_group_params(w, group_size, asymmetric)
-    values = pack_int4(int4_codes(w, scales, zeros, group_size))
-    return QuantizedArray(values, scales, zeros, fmt="int4", group_size=group_size)
+    scales, zeros = int4_group_params(w, group_size, asymmetric, zero_point)
+    return _int4_array(w, scales, zeros, group_size)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -133,19 +187,41 @@ def fp8_calibrated(w_kn, x_tk, *, steps: int = FP8_SCALE_STEPS) -> QuantizedArra
 # ---------------------------------------------------------------------------------------------------------
 # AWQ.
 # ---------------------------------------------------------------------------------------------------------
-def awq(w_kn, x_tk, *, fmt: str = "int4", group_size: int = 128, asymmetric: bool = True, grid: int = 20, **kw):
+def awq(
+    w_kn,
+    x_tk,
+    *,
+    fmt: str = "int4",
+    group_size: int = 128,
+    asymmetric: bool = True,
+    grid: int = 20,
+    zero_point: str = "int",
+    clip: bool = True,
+    search_tokens: int | None = None,
+    **kw,
+):
     """Activation-aware weight quantisation: the per-input-channel scale s = mean|x|^alpha (alpha on a grid of
-    `grid` points in [0, 1), alpha = 0 is RTN) that minimises ||x w - x w_q||^2 on the calibration inputs.
+    `grid` points in [0, 1), alpha = 0 is RTN) that minimises ||x w - x w_q||^2 on the calibration inputs; then
+    (int4, `clip`) each group's range is shrunk by int4_clip_search on the scaled weight and inputs.
 
-    Returns a QuantizedArray of diag(s) w with pre_scale = 1 / s (so x -> x / s before the matmul).
+    search_tokens: at most this many inputs (evenly strided) for the alpha search; the mean |x| and the clip
+    search use all of x. Returns a QuantizedArray of diag(s) w with pre_scale = 1 / s (x -> x / s first).
     """
     w = jnp.asarray(w_kn, jnp.float32)
     x = jnp.asarray(x_tk, jnp.float32)
+    xs = x if not search_tokens else x[:: max(1, x.shape[0] // search_tokens)]
     act = jnp.maximum(jnp.mean(jnp.abs(x), axis=0), TINY)  # [K]
-    errors = [float(_awq_error(w, x, act, jnp.float32(i / grid), fmt, group_size, asymmetric)) for i in range(grid)]
+    errors = [
+        float(_awq_error(w, xs, act, jnp.float32(i / grid), fmt, group_size, asymmetric, zero_point))
+        for i in range(grid)
+    ]
     alpha = errors.index(min(errors)) / grid
     s = _awq_scale(act, alpha)
-    q = rtn(w * s[:, None], fmt, group_size=group_size, asymmetric=asymmetric, **kw)
+    if fmt == "int4" and clip:
+        scales, zeros = int4_clip_search(w * s[:, None], x / s, group_size, asymmetric, zero_point)
+        q = _int4_array(w * s[:, None], scales, zeros, group_size)
+    else:
+        q = rtn(w * s[:, None], fmt, group_size=group_size, asymmetric=asymmetric, zero_point=zero_point, **kw)
     return QuantizedArray(q.values, q.scales, q.zeros, q.fmt, q.group_size, pre_scale=1.0 / s)
 
 
@@ -154,10 +230,10 @@ def _awq_scale(act, alpha):
     return s / jnp.sqrt(jnp.max(s) * jnp.min(s))  # keep the scaled weight's range near the original
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "asymmetric"))
-def _awq_error(w, x, act, alpha, fmt, group_size, asymmetric):
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "asymmetric", "zero_point"))
+def _awq_error(w, x, act, alpha, fmt, group_size, asymmetric, zero_point):
     s = _awq_scale(act, alpha)
-    q = rtn(w * s[:, None], fmt, group_size=group_size, asymmetric=asymmetric)
+    q = rtn(w * s[:, None], fmt, group_size=group_size, asymmetric=asymmetric, zero_point=zero_point)
     return jnp.sum((x @ w - (x / s) @ q.dequantize(jnp.float32)) ** 2)
 
 
@@ -176,8 +252,8 @@ def _inverse_hessian_cholesky(x_tk, damp: float) -> jax.Array:
     return jnp.linalg.cholesky(h_inv).T
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "asymmetric"))
-def _gptq_block(wb, ub, fixed_scales, *, fmt, group_size, asymmetric):
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "asymmetric", "zero_point"))
+def _gptq_block(wb, ub, fixed_scales, *, fmt, group_size, asymmetric, zero_point="int"):
     """Quantises the rows of one block wb [B, N] in order, compensating inside the block only.
 
     Returns (codes [B, N], group scales [B/g, N], group zeros [B/g, N], scaled errors [B, N]); the caller applies
@@ -190,13 +266,14 @@ def _gptq_block(wb, ub, fixed_scales, *, fmt, group_size, asymmetric):
         w_cur, codes, scales, zeros, errs = carry
         grp = i // g
         if fmt == "int4":  # a group's scale is fixed from its rows as they stand when the group begins
-            fresh_s, fresh_z = int4_group_params(jax.lax.dynamic_slice_in_dim(w_cur, grp * g, g, axis=0), g, asymmetric)
+            rows_g = jax.lax.dynamic_slice_in_dim(w_cur, grp * g, g, axis=0)
+            fresh_s, fresh_z = int4_group_params(rows_g, g, asymmetric, zero_point)
             start = i % g == 0
             scales = scales.at[grp].set(jnp.where(start, fresh_s[0], scales[grp]))
             if asymmetric:
                 zeros = zeros.at[grp].set(jnp.where(start, fresh_z[0], zeros[grp]))
             s, zp = scales[grp], (zeros[grp] if asymmetric else 8.0)
-            code = jnp.clip(jnp.round(w_cur[i] / s) + zp, 0, 15)
+            code = jnp.clip(jnp.round(w_cur[i] / s + zp), 0, 15)
             deq = (code - zp) * s
         elif fmt == "int8":
             code = jnp.clip(jnp.round(w_cur[i] / fixed_scales), -127, 127)
@@ -221,7 +298,7 @@ def _gptq_block_static(wb, ub, s_rows, z_rows):
 
     def body(i, carry):
         w_cur, codes, errs = carry
-        code = jnp.clip(jnp.round(w_cur[i] / s_rows[i]) + z_rows[i], 0, 15)
+        code = jnp.clip(jnp.round(w_cur[i] / s_rows[i] + z_rows[i]), 0, 15)
         err = (w_cur[i] - (code - z_rows[i]) * s_rows[i]) / ub[i, i]
         later = (jnp.arange(wb.shape[0]) > i)[:, None]
         w_cur = w_cur - jnp.where(later, ub[i][:, None] * err[None, :], 0.0)
@@ -231,12 +308,16 @@ def _gptq_block_static(wb, ub, s_rows, z_rows):
     return codes, errs
 
 
-def _gptq_act_order(w, x, group_size, asymmetric, damp):
+def _gptq_act_order(w, x, group_size, asymmetric, damp, zero_point, clip):
     """Rows quantised in order of decreasing Hessian diagonal (the most active inputs first), with the group
-    scales of plain RTN fixed up front so the stored layout stays contiguous groups."""
+    scales fixed up front (static groups: RTN's, or int4_clip_search's with `clip`) so the stored layout stays
+    contiguous groups."""
     perm = jnp.argsort(-jnp.sum(x * x, axis=0))
     inv = jnp.argsort(perm)
-    scales, zeros = int4_group_params(w, group_size, asymmetric)
+    if clip:
+        scales, zeros = int4_clip_search(w, x, group_size, asymmetric, zero_point)
+    else:
+        scales, zeros = int4_group_params(w, group_size, asymmetric, zero_point)
     s_rows = jnp.repeat(scales, group_size, axis=0)[perm]
     z_rows = (8.0 * jnp.ones_like(s_rows)) if zeros is None else jnp.repeat(zeros, group_size, axis=0)[perm]
     u = _inverse_hessian_cholesky(x[:, perm], damp)
@@ -267,12 +348,15 @@ def gptq(
     asymmetric: bool = True,
     damp: float = 0.01,
     act_order: bool = False,
+    zero_point: str = "int",
+    clip: bool = True,
 ):
     """GPTQ (Frantar et al. 2022), blocked lazy updates: int4 per group, int8 or fp8 (e4m3) per channel.
 
     Rows (input channels) are quantised in order; the rounding error of row i is compensated on rows > i by
     w[j] -= U[i, j] / U[i, i] * err, with U the upper Cholesky factor of the inverse Hessian of the inputs.
-    `act_order` (int4): rows in order of decreasing input energy, group scales fixed from RTN beforehand.
+    `act_order` (int4): rows in order of decreasing input energy, group scales fixed beforehand (from
+    int4_clip_search with `clip`, else RTN's). zero_point: int4_group_params.
     """
     if fmt not in ("int4", "int8", "fp8"):
         raise ValueError(f"gptq: fmt must be int4, int8 or fp8, got {fmt!r}")
@@ -281,7 +365,7 @@ def gptq(
         raise ValueError(f"gptq: K={w.shape[0]} is not a multiple of group_size={group_size}")
     asymmetric = asymmetric and fmt == "int4"  # int8 and fp8 are symmetric per channel
     if act_order and fmt == "int4":
-        return _gptq_act_order(w, jnp.asarray(x_tk, jnp.float32), group_size, asymmetric, damp)
+        return _gptq_act_order(w, jnp.asarray(x_tk, jnp.float32), group_size, asymmetric, damp, zero_point, clip)
     u = _inverse_hessian_cholesky(jnp.asarray(x_tk, jnp.float32), damp)
     fixed = _safe(jnp.max(jnp.abs(w), axis=0) / (FP8_MAX if fmt == "fp8" else 127.0))
     block = _gptq_block_rows(w.shape[0], fmt, group_size)
@@ -289,7 +373,13 @@ def gptq(
     for b0 in range(0, w.shape[0], block):
         b1 = b0 + block
         c, s, z, err = _gptq_block(
-            w[b0:b1], u[b0:b1, b0:b1], fixed, fmt=fmt, group_size=group_size, asymmetric=asymmetric
+            w[b0:b1],
+            u[b0:b1, b0:b1],
+            fixed,
+            fmt=fmt,
+            group_size=group_size,
+            asymmetric=asymmetric,
+            zero_point=zero_point,
         )
         w = w.at[b1:].add(-u[b0:b1, b1:].T @ err)
         codes.append(c), scales.append(s), zeros.append(z)

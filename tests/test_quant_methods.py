@@ -151,3 +151,43 @@ def test_fp8_calibrated_scales_beat_amax_and_stay_safe():
     scales = np.asarray(searched.scales)
     assert np.isfinite(scales).all() and (scales > 0).all()
     np.testing.assert_array_equal(np.asarray(searched.dequantize())[:, 4], 0.0)
+
+
+def test_int4_float_zero_points_reproduce_a_q4_1_grid():
+    """A weight already on a 4-bit grid per group of 32 (w = m + d * q, as a GGUF Q4_1 checkpoint dequantises)
+    comes back exactly with float zero points at group 32; integer zero points (0 forced into the range) do not."""
+    rng = np.random.default_rng(10)
+    k, n = 128, 24
+    q = rng.integers(0, 16, (k, n))
+    q[0::32], q[1::32] = 0, 15  # every group spans the full code range, as llama.cpp's min / max does
+    d = np.repeat(rng.uniform(0.01, 0.05, (k // 32, n)), 32, axis=0)
+    m = np.repeat(rng.uniform(-0.3, 0.1, (k // 32, n)), 32, axis=0)
+    w = jnp.asarray(m + d * q, jnp.float32)
+    exact = qm.rtn(w, "int4", group_size=32, asymmetric=True, zero_point="float").dequantize()
+    np.testing.assert_allclose(exact, w, atol=1e-6)
+    integer = qm.rtn(w, "int4", group_size=32, asymmetric=True).dequantize()
+    assert float(jnp.max(jnp.abs(integer - w))) > 1e-3
+    with pytest.raises(ValueError, match="zero_point"):
+        qm.rtn(w, "int4", group_size=32, asymmetric=True, zero_point="fp")
+
+
+@pytest.mark.parametrize("zero_point", ["int", "float"])
+def test_int4_clip_search_never_worse_per_group_and_helps_heavy_tails(zero_point):
+    x, w = outlier_layer(11)
+    w = w * jnp.asarray(np.random.default_rng(11).standard_t(3, w.shape), jnp.float32)  # heavy-tailed weights
+    g = 64
+    plain = qm.int4_group_params(w, g, True, zero_point)
+    clipped = qm.int4_clip_search(w, x, g, True, zero_point)
+    h = jnp.einsum("tgi,tgj->gij", x.reshape(-1, 4, g), x.reshape(-1, 4, g)) / x.shape[0]
+
+    def group_error(params):
+        e = (w - qm._int4_array(w, *params, g).dequantize()).reshape(4, g, -1)
+        return np.asarray(jnp.einsum("gin,gij,gjn->gn", e, h, e))
+
+    assert (group_error(clipped) <= group_error(plain) * (1 + 1e-5) + 1e-9).all()
+    kw = dict(fmt="int4", group_size=g, asymmetric=True, zero_point=zero_point)
+    e_rtn = output_error(x, w, qm.rtn(w, **kw))
+    assert output_error(x, w, qm._int4_array(w, *clipped, g)) < 0.95 * e_rtn
+    assert output_error(x, w, qm.awq(w, x, **kw)) < output_error(x, w, qm.awq(w, x, clip=False, **kw))
+    e_gptq = output_error(x, w, qm.gptq(w, x, act_order=True, **kw))
+    assert e_gptq < output_error(x, w, qm.gptq(w, x, act_order=True, clip=False, **kw)) and e_gptq < 0.9 * e_rtn
