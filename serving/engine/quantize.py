@@ -138,14 +138,16 @@ def projection_inputs(model: transformer.Transformer, tokens_bt: np.ndarray) -> 
     slots = transformer._storage_slots(model)
     by_id = {id(s.get_value()): n for n, s in slots.items() if not isinstance(s.get_value(), QuantizedArray)}
     recorded: dict[str, list[np.ndarray]] = {}
-    seen: dict[int, np.ndarray] = {}  # projections sharing an input convert it once per call
+    # Projections sharing an input convert it once per call; x is kept alive with its conversion, so a later
+    # temporary cannot reuse its id and be taken for it (an MLP's down input for its gate|up input).
+    seen: dict[int, tuple] = {}
 
     def door(x, w, out_dtype=None):
         name = by_id.get(id(w))
         if name is not None and out_dtype is None and getattr(w, "ndim", 0) == 2:
-            if id(x) not in seen:
-                seen[id(x)] = np.asarray(x, np.float32).reshape(-1, x.shape[-1])
-            recorded.setdefault(name, []).append(seen[id(x)])
+            if id(x) not in seen or seen[id(x)][0] is not x:
+                seen[id(x)] = (x, np.asarray(x, np.float32).reshape(-1, x.shape[-1]))
+            recorded.setdefault(name, []).append(seen[id(x)][1])
         return quant.matmul(x, w, out_dtype)
 
     saved = layers.matmul, transformer.matmul
