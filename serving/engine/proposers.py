@@ -158,6 +158,80 @@ class NgramProposer(Proposer):
         return Proposal(draft, num, None)
 
 
+class ReplayProposer(Proposer):
+    """Benchmark proposer at a controlled acceptance: drafts the target's own greedy continuation (recorded from
+    an earlier run of the same requests), each draft token kept with probability `acceptance` and otherwise
+    replaced by a different token. Under greedy decoding a kept token is exactly what the target emits (when the
+    recording is the same model's greedy output), so each draft is accepted with probability `acceptance` until the
+    first corrupted one: the acceptance of a real proposer, at no drafting cost (the serving cost of speculation
+    is the verify pass). For performance work on random weights, where no real proposer predicts anything.
+
+    Args:
+      sequences: prompt + greedy continuation token ids, one per request; a row is matched to the sequence whose
+        prompt its history starts with (the longest such prompt). Rows with no match, or past the recording's
+        end, get no drafts.
+      prompt_lens: the prompt length of each sequence.
+      acceptance: probability that a draft token is the recorded one, in [0, 1].
+      vocab_size: corrupted tokens are drawn from [0, vocab_size).
+      seed: the corruption's random stream.
+    """
+
+    name = "replay"
+
+    def __init__(
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        acceptance: float,
+        vocab_size: int,
+        seed: int = 0,
+    ):
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+        if len(sequences) != len(prompt_lens):
+            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.acceptance, self.vocab_size = float(acceptance), int(vocab_size)
+        self._by_prompt: dict[tuple, list[int]] = {}
+        for seq, n in zip(sequences, prompt_lens):
+            self._by_prompt[tuple(seq[:n])] = list(seq)
+        self._lens = sorted({len(p) for p in self._by_prompt}, reverse=True)
+        self._rng = np.random.default_rng(seed)
+        self._match: dict[Any, list[int] | None] = {}
+        self.tracked: set = set()
+
+    def _sequence(self, row: ProposalRow) -> list[int] | None:
+        if row.request_id not in self._match:
+            hist = tuple(row.token_ids)
+            found = next((self._by_prompt[hist[:n]] for n in self._lens if hist[:n] in self._by_prompt), None)
+            self._match[row.request_id] = found
+            self.tracked.add(row.request_id)
+        return self._match[row.request_id]
+
+    def propose(self, rows: Sequence[ProposalRow]) -> Proposal:
+        k_max = _check_rows(rows)
+        draft = np.full((len(rows), k_max), -1, np.int32)
+        num = np.zeros(len(rows), np.int32)
+        for i, r in enumerate(rows):
+            seq = self._sequence(r)
+            pos = len(r.token_ids)
+            if seq is None or r.k == 0 or list(seq[:pos]) != list(r.token_ids):  # off the recording: no drafts
+                continue
+            toks = np.asarray(seq[pos : pos + r.k], np.int64)
+            corrupt = self._rng.random(toks.size) >= self.acceptance
+            # A corrupted token differs from the recorded one: shifted by 1 .. V-1 (mod V).
+            shift = self._rng.integers(1, self.vocab_size, toks.size)
+            toks = np.where(corrupt, (toks + shift) % self.vocab_size, toks)
+            draft[i, : toks.size] = toks
+            num[i] = toks.size
+        return Proposal(draft, num, None)
+
+    def release(self, request_id: Any) -> None:
+        self._match.pop(request_id, None)
+        self.tracked.discard(request_id)
+
+
 def replay_greedy(proposer: Proposer, prompt: Sequence[int], generated: Sequence[int], k: int) -> dict:
     """What speculative greedy decoding with `proposer` would have done on an already generated greedy sequence.
 
