@@ -277,6 +277,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "tensor_parallel_size": ("parallel", "tp"),
     "pipeline_parallel_size": ("parallel", "pp"),
     "expert_parallel_size": ("parallel", "ep"),
+    "pipeline_microbatches": ("parallel", "microbatches"),
     "speculative_method": ("speculative", "method"),
     "num_speculative_tokens": ("speculative", "num_speculative_tokens"),
     "speculative_model": ("speculative", "speculative_model"),
@@ -313,6 +314,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{f.name} must be a {f.default_factory.__name__}, got {section!r}")
         # data / tensor / expert / pipeline parallel: built; the model-dependent checks (heads, experts, layers,
         # device count) run when the engine builds its meshes (sharding/config.py check_parallel).
+        if self.pipeline_microbatches and self.pipeline_parallel_size == 1:
+            raise ValueError("pipeline_microbatches needs pipeline_parallel_size > 1")
         if self.pipeline_parallel_size > 1 and self.speculative.method == "self":  # it lends the target's layer KV
             raise ValueError("pipeline_parallel_size > 1 and speculative_method='self' do not combine yet")
         length, blocks, bs = self.model.max_model_len, self.cache.num_kv_blocks, self.cache.block_size
@@ -335,7 +338,7 @@ class EngineConfig:
         for name, value in flat.items():
             section, field = FLAT_OPTIONS[name]
             if section == "parallel":  # ParallelConfig names its fields dp/tp/pp/ep; name the option here
-                _check_int(name, value, 1)
+                _check_int(name, value, 0 if name == "pipeline_microbatches" else 1)
             sections.setdefault(section, {})[field] = value
         types = {f.name: f.default_factory for f in dataclasses.fields(cls)}
         return cls(**{name: types[name](**fields) for name, fields in sections.items()})

@@ -53,6 +53,9 @@ flags.DEFINE_bool(
 flags.DEFINE_integer("data_parallel_size", _D.parallel.dp, "data-parallel engine replicas")
 flags.DEFINE_integer("tensor_parallel_size", _D.parallel.tp, "devices each layer is split across")
 flags.DEFINE_integer("pipeline_parallel_size", _D.parallel.pp, "pipeline stages")
+flags.DEFINE_integer(
+    "pipeline_microbatches", _D.parallel.microbatches, "microbatches per pipelined step (0: one per stage)"
+)
 flags.DEFINE_integer("expert_parallel_size", _D.parallel.ep, "devices the MoE experts are split across")
 # Multi-host: one engine over the devices of several processes (sharding/multihost.py); process 0 leads
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0, where jax.distributed joins the processes")

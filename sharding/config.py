@@ -18,18 +18,20 @@ class ParallelConfig:
         tp: tensor parallel (attention heads, MLP width and vocab split across devices).
         pp: pipeline parallel (layers split into stages).
         ep: expert parallel (MoE experts split across devices).
+        microbatches: pipeline microbatches a step's batch is cut into (model/pipeline.py); 0: one per stage.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    microbatches: int = 0
 
     def __post_init__(self):
-        for field in ("dp", "tp", "pp", "ep"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelConfig.{field} must be >= 1 (an integer), got {value!r}")
+        for field in ("dp", "tp", "pp", "ep", "microbatches"):
+            value, least = getattr(self, field), 0 if field == "microbatches" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"ParallelConfig.{field} must be >= {least} (an integer), got {value!r}")
 
     @property
     def num_devices(self) -> int:

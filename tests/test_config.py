@@ -52,6 +52,7 @@ REFUSED = dict(
     data_parallel_size=2,
     tensor_parallel_size=2,
     pipeline_parallel_size=2,
+    pipeline_microbatches=4,  # refused alone: it needs pipeline_parallel_size > 1
     expert_parallel_size=2,
     speculative_method="ngram",
     num_speculative_tokens=2,  # refused alone: it needs a method

@@ -31,6 +31,7 @@ ENGINE = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from checkpoints.tokenizer import NullTokenizer
+from flax import nnx
 from model.config import ModelConfig
 from model.transformer import build_model, random_model
 from serving.config import EngineConfig
@@ -67,6 +68,8 @@ for degrees in [{}] + meshes:
         (pools,) = runner.kv_cache  # one "layer": per local layer l, arrays [pp, Hkv, P, ...], stage s = layer s*n + l
         stack = runner.params["layers"][0]["stack"]  # per local layer l, its weights of every stage [pp, ...]
         assert len(pools) == len(stack) == n, (len(pools), len(stack))
+        stages = nnx.merge(runner.graphdef, runner.params).layers[0]
+        assert stages.num_microbatches == (degrees.get("pipeline_microbatches") or pp), stages.num_microbatches
         stage_of = {d: s for s in range(pp) for d in runner.mesh.devices[:, s].flat}
         for arr in jax.tree.leaves((pools, stack)):
             assert arr.shape[0] == pp and len(arr.sharding.device_set) == runner.mesh.size, arr.sharding
@@ -183,9 +186,11 @@ def _pp(pp: int, tp: int = 1) -> dict:
 
 @pytest.mark.slow
 def test_pipeline_tiny_2_4_and_tp_x_pp():
-    """4 layers in 2 and 4 stages, and tp=2 x pp=2 (KV heads split inside each stage), tp=4 x pp=2 (repeated)."""
-    out = _run(ENGINE, "tiny", json.dumps([_pp(2), _pp(4), _pp(2, 2), _pp(2, 4)]), "9")
-    assert len(out["meshes"]) == 4 and all(len(t) in (9, 6) for t in out["tokens"])
+    """4 layers in 2 and 4 stages, and tp=2 x pp=2 (KV heads split inside each stage), tp=4 x pp=2 (repeated); 2
+    stages with 4 microbatches per step (pipeline_microbatches)."""
+    meshes = [_pp(2), _pp(4), _pp(2, 2), _pp(2, 4), {**_pp(2), "pipeline_microbatches": 4}]
+    out = _run(ENGINE, "tiny", json.dumps(meshes), "9")
+    assert len(out["meshes"]) == 5 and all(len(t) in (9, 6) for t in out["tokens"])
 
 
 @pytest.mark.slow
@@ -245,6 +250,10 @@ def test_engine_options_accept_pipeline():
     assert EngineConfig.from_kwargs(pipeline_parallel_size=2, tensor_parallel_size=2).parallel == ParallelConfig(
         tp=2, pp=2
     )
+    with pytest.raises(ValueError, match="pipeline_microbatches needs pipeline_parallel_size > 1"):
+        EngineConfig.from_kwargs(pipeline_microbatches=4)
+    with pytest.raises(ValueError, match="pipeline_microbatches must be an integer >= 0"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2, pipeline_microbatches=-1)
     with pytest.raises(ValueError, match="speculative_method='self' do not combine"):
         EngineConfig.from_kwargs(pipeline_parallel_size=2, speculative_method="self", num_speculative_tokens=2)
 
