@@ -14,3 +14,13 @@ timeout 300 python benchmarks/spec_engine.py --max_tokens 128 --prompts_per_doma
 timeout 240 python benchmarks/spec_verify_cost.py --preset llama3_8b --dtype bfloat16 --batches 1,4,16,64 \
   --ks 1,2,4,7 --context 512 --acceptances 0.5,0.7,0.8,0.9 --out $OUT/spec_verify_cost_h200_llama3_8b.json \
   2>&1 | grep -v "^WARNING\|Warn" | tail -20
+# 3. Trained Medusa heads (issue 12 item 3) beside off and ngram, k = 3 (the checkpoint's heads): the 3.6 MB
+#    checkpoint committed under benchmarks/results/medusa_heads_smollm2 (trained on the CPU host, float32 target,
+#    300 steps of python -m serving.train_heads; read by the bf16 target here). ~2 minutes.
+timeout 240 python benchmarks/spec_engine.py --max_tokens 128 --prompts_per_domain 3 --prompt_chars 1500 --k 3 \
+  --methods off,ngram,medusa --medusa_heads benchmarks/results/medusa_heads_smollm2 \
+  --out $OUT/spec_engine_h200_medusa_smollm2.json 2>&1 | grep -v "^WARNING\|Warn" | tail -12
+# A larger training run fits the device too (not part of this script's time): for example
+#   python -m serving.train_heads --out_dir $OUT/medusa_heads_h200 --num_heads 4 --num_prompts 512 \
+#     --max_tokens 128 --steps 3000 --batch_positions 512 --max_num_seqs 64
+# then the command above with --k 4 --medusa_heads $OUT/medusa_heads_h200.

@@ -6,7 +6,8 @@ One LLM (SmolLM2 by default, greedy) serves every method: plain decoding (`off`,
 `decode_steps`-long on-device loops), then each proposer swapped in as the engine's SpecDecoder over the same
 runner: `ngram` (prompt lookup), `self` (the target's first --self_layers layers + its head, sharing the target's
 KV), `draft` (a separate draft model with its own paged KV: the target's first --draft_layers layers as a copy; or
---draft_model, a checkpoint path, e.g. SmolLM2 itself for the acceptance ceiling). Prompts are the Lab 02 ones
+--draft_model, a checkpoint path, e.g. SmolLM2 itself for the acceptance ceiling), `medusa` (trained heads on the
+target's last hidden state, --medusa_heads: a checkpoint dir from serving/train_heads.py; --k <= its heads). Prompts are the Lab 02 ones
 (benchmarks/spec_acceptance.py: stdlib code, licence prose, copy-heavy chat turns). Requests run one at a time
 (batch 1); every method runs all its requests twice and the second pass is timed (the first compiles). Reported per method and domain:
 decode tokens/s (generated tokens after the first / time from first to last token), speedup over `off`,
@@ -27,6 +28,7 @@ from benchmarks.spec_acceptance import build_prompts
 from serving.core.spec_policy import SpecPolicy
 from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, truncated_model
 from serving.engine.engine import _logprob_entry, _sampling_tensors
+from serving.engine.head_proposer import MedusaProposer
 from serving.engine.llm import LLM
 from serving.engine.runner import ModelRunner
 from serving.engine.speculate import SpecDecoder, policy_config
@@ -62,12 +64,17 @@ def _decoders(llm: LLM, args) -> dict:
             attention_backend=r.backend,
         )
         draft = ModelDraftProposer(copy, "draft")
-    return dict(
+    out = dict(
         off=None,
         ngram=engine.spec,
         self=decoder(make_model_proposer("self", r, model, self_spec, model.dtype)),
         draft=decoder(draft),
     )
+    if args.medusa_heads:
+        from model.medusa import load_heads
+
+        out["medusa"] = decoder(MedusaProposer(load_heads(args.medusa_heads)[0], r, k))
+    return out
 
 
 def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -102,7 +109,8 @@ def main():
     ap.add_argument("--draft_model", default=None, help="a draft checkpoint instead of the truncated copy")
     ap.add_argument("--decode_steps", type=int, default=8)
     ap.add_argument("--attention_backend", default=None)
-    ap.add_argument("--methods", default="off,ngram,self,draft")
+    ap.add_argument("--medusa_heads", default=None, help="heads checkpoint dir (python -m serving.train_heads)")
+    ap.add_argument("--methods", default="off,ngram,self,draft", help="also: medusa (needs --medusa_heads)")
     ap.add_argument("--out", default="benchmarks/results/spec_engine_cpu.json")
     args = ap.parse_args()
 
