@@ -236,3 +236,36 @@ def test_server_as_two_processes_serves_what_one_engine_generates(tmp_path):
         assert p.returncode == 0, f"process {i}:\n{out[-2000:]}\n{err[-4000:]}"
     assert reference.returncode == 0, ref_err[-3000:]
     assert got == json.loads(ref_out.split("TEXT", 1)[1]), (got, ref_out)
+
+
+@pytest.mark.slow
+def test_bench_as_two_processes(tmp_path):
+    """`python -m benchmarks.bench --mode latency` with the multi-host flags (2 processes x 2 CPU devices, tp=4):
+    both exit 0, process 0 alone writes the results, measured on the 4 devices of the job."""
+    port = str(_free_port())
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
+    args = ["--mode=latency", "--random_weights", "--model_preset=tiny", "--context=8", "--latency_tokens=8"]
+    args += ["--batch_size=2", "--tensor_parallel_size=4", "--attention_backend=xla", "--compilation_cache_dir="]
+    args += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench", *args, f"--process_id={i}", f"--out_dir={tmp_path / str(i)}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{out[-2000:]}\n{err[-4000:]}"
+    record = json.loads((tmp_path / "0" / "latency_tiny.json").read_text())
+    assert record["device"].startswith("cpu") and " x4 " in record["device"], record["device"]
+    assert record["results"]["load_s"] > 0 and not (tmp_path / "1").exists()
