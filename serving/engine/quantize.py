@@ -7,12 +7,14 @@ o, gate, up, down; not the embedding, nor the LM head, which asks for float32 lo
 (model/quant.py) made by model/quant_methods.py:
 
     int8       W8A16 int8, round to nearest per output channel        (no calibration)
-    fp8        W8A16 fp8 e4m3 per output channel                     (no calibration)
-    w8a8_fp8   fp8 weights, fp8 activations with per-token scales     (no calibration)
+    fp8        W8A16 fp8 e4m3 per output channel, scales searched     (calibrated: fp8_calibrated)
+    w8a8_fp8   GPTQ e4m3 weights, fp8 activations with per-token scales (calibrated)
     w8a8_int8  SmoothQuant (alpha 0.5), int8 activations per token   (calibrated)
     int4_rtn   int4 asymmetric per group, round to nearest           (no calibration)
-    int4_awq   AWQ scale search, int4 asymmetric per group           (calibrated)
-    int4_gptq  GPTQ with act-order, int4 asymmetric per group        (calibrated)
+    int4_awq   AWQ scale + clip search, int4 asymmetric per group    (calibrated)
+    int4_gptq  GPTQ with act-order, clip-searched static groups      (calibrated)
+
+int4 zero points are float (a group's [min, max], as GGUF Q4_1), not integer codes (BENCHMARKS.md: lower error).
 
 int4 groups are 128 input rows, or the largest of 64 / 32 that divides the layer's input size. Calibration runs
 the float model eagerly on `calibration_file` (or the short built-in text below) and records each projection's
@@ -37,7 +39,7 @@ from serving.config import QUANTIZATIONS
 log = logging.getLogger(__name__)
 
 KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-CALIBRATED = frozenset(("w8a8_int8", "int4_awq", "int4_gptq"))
+CALIBRATED = frozenset(("fp8", "w8a8_fp8", "w8a8_int8", "int4_awq", "int4_gptq"))
 CALIBRATION_TOKENS = 512  # most calibration tokens used (sequences of CALIBRATION_SEQ_LEN)
 CALIBRATION_SEQ_LEN = 256
 
@@ -93,13 +95,15 @@ def int4_group(k: int) -> int:
 def quantize_weight(method: str, w_kn: jax.Array, x_tk: jax.Array | None) -> QuantizedArray:
     """One weight [K, N] quantised by `method` (x_tk: its calibration inputs [T, K], for calibrated methods)."""
     w = jnp.asarray(w_kn, jnp.float32)
-    if method in ("int8", "fp8"):
+    if method == "int8":
         return qm.rtn(w, method)
+    if method == "fp8":
+        return qm.fp8_calibrated(w, x_tk)
     if method == "w8a8_fp8":
-        return qm.fp8_w8a8(w)
+        return qm.fp8_w8a8(w, x_tk, weights="gptq")
     if method == "w8a8_int8":
         return qm.smoothquant(w, x_tk, alpha=0.5)
-    group = dict(group_size=int4_group(w.shape[0]), asymmetric=True)
+    group = dict(group_size=int4_group(w.shape[0]), asymmetric=True, zero_point="float")
     if method == "int4_rtn":
         return qm.rtn(w, "int4", **group)
     if method == "int4_awq":
