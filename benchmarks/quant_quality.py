@@ -119,17 +119,22 @@ def calibration_inputs(model, calib_bt, num_layers):
     return out
 
 
-GROUP = dict(group_size=64, asymmetric=True)  # int4 settings (--group_size)
+# int4 settings (--group_size, --zero_point), the same for RTN, AWQ and GPTQ so that their rows compare methods only
+GROUP = dict(group_size=64, asymmetric=True, zero_point="float")
 METHODS = {
     "int8": lambda w, x: qm.rtn(w, "int8"),
-    "fp8": lambda w, x: qm.rtn(w, "fp8"),
+    "fp8_amax": lambda w, x: qm.rtn(w, "fp8"),  # scales amax / 448
+    "fp8": lambda w, x: qm.fp8_calibrated(w, x),  # scales searched on the calibration inputs
     "int4_rtn": lambda w, x: qm.rtn(w, "int4", **GROUP),
-    "int4_awq": lambda w, x: qm.awq(w, x[::4], grid=10, **GROUP),  # every 4th token: both domains, 512 tokens
-    "int4_gptq": lambda w, x: qm.gptq(w, x, act_order=True, **GROUP),
-    "int4_gptq_in_order": lambda w, x: qm.gptq(w, x, **GROUP),
+    # alpha searched on 512 strided tokens (both domains), the clip search on all calibration tokens
+    "int4_awq": lambda w, x: qm.awq(w, x, grid=20, search_tokens=512, **GROUP),
+    "int4_gptq": lambda w, x: qm.gptq(w, x, act_order=True, **GROUP),  # static groups from the clip search
+    "int4_gptq_in_order": lambda w, x: qm.gptq(w, x, clip=False, **GROUP),
     "w8a8_int8_smoothquant": lambda w, x: qm.smoothquant(w, x, alpha=0.5),
-    "w8a8_fp8_dynamic": lambda w, x: qm.fp8_w8a8(w),
+    "w8a8_fp8_dynamic_rtn": lambda w, x: qm.fp8_w8a8(w),  # amax / 448 weights
+    "w8a8_fp8_dynamic": lambda w, x: qm.fp8_w8a8(w, x, weights="gptq"),  # GPTQ-compensated e4m3 weights
 }
+DEFAULT_METHODS = ("int8", "fp8", "int4_rtn", "int4_awq", "int4_gptq", "w8a8_int8_smoothquant", "w8a8_fp8_dynamic")
 
 
 def quantised_params(params, calib, method):
@@ -179,10 +184,11 @@ def main(argv=None):
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--eval_seqs", type=int, default=4)
     parser.add_argument("--calib_seqs", type=int, default=2)
-    parser.add_argument("--methods", default=",".join([*METHODS, *KV_METHODS]))
+    parser.add_argument("--methods", default=",".join([*DEFAULT_METHODS, *KV_METHODS]), help=", ".join(METHODS))
     parser.add_argument("--group_size", type=int, default=64)
+    parser.add_argument("--zero_point", default="float", choices=qm.ZERO_POINTS)
     args = parser.parse_args(argv)
-    GROUP["group_size"] = args.group_size
+    GROUP.update(group_size=args.group_size, zero_point=args.zero_point)
     t0 = time.time()
     ckpt = load_checkpoint()
     model = transformer.build_model(ckpt.config, ckpt.params, jnp.float32)
