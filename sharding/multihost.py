@@ -140,6 +140,11 @@ def lead_or_follow(engine) -> bool:
     """
     if jax.process_count() == 1:
         return True
+    if not hasattr(engine, "runner"):  # a DataParallelEngine: its replicas' runners are not replayed yet
+        raise ValueError(
+            f"data_parallel_size={engine.config.data_parallel_size} with num_processes={jax.process_count()} is not "
+            "supported yet (one multi-host engine, or replicas within one process)"
+        )
     if leader_is_me():
         engine.runner = LeaderRunner(engine.runner)
         return True

@@ -269,3 +269,23 @@ def test_bench_as_two_processes(tmp_path):
     record = json.loads((tmp_path / "0" / "latency_tiny.json").read_text())
     assert record["device"].startswith("cpu") and " x4 " in record["device"], record["device"]
     assert record["results"]["load_s"] > 0 and not (tmp_path / "1").exists()
+
+
+@pytest.mark.slow
+def test_data_parallel_across_processes_is_refused(tmp_path):
+    """Replicas are built within one process; asked across processes, both processes stop naming the numbers."""
+    model = str(tmp_path / "tiny")
+    _tiny_checkpoint(model)
+    port = str(_free_port())
+    flags = [f"--model={model}", *COMMON, "--data_parallel_size=2", f"--coordinator_address=127.0.0.1:{port}"]
+    procs = [_generate([*flags, "--num_processes=2", f"--process_id={i}"], devices=4) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 2 and "data_parallel_size=2 with num_processes=2 is not supported yet" in err, err[
+            -3000:
+        ]
