@@ -172,6 +172,7 @@ class Trials:
         proposer.observe = self.observe
 
     def observe(self, request_id, num_draft, num_accepted):
+        num_draft, num_accepted = int(num_draft), int(num_accepted)
         self.successes += num_accepted
         self.trials += num_accepted + (1 if num_accepted < num_draft else 0)
         self.passes += 1
@@ -260,7 +261,7 @@ def perplexity(model, tokenizer, step: Step, args) -> float:
 
 
 def load(args):
-    """(model, tokenizer or None, label)."""
+    """(model, tokenizer (a NullTokenizer for random weights), label)."""
     from checkpoints.loader import load_checkpoint
     from model.transformer import build_model, random_model
 
@@ -269,7 +270,9 @@ def load(args):
         ckpt = load_checkpoint(None)
         return build_model(ckpt.config, ckpt.params, dtype), ckpt.tokenizer, "SmolLM2-135M-Instruct (GGUF Q4_1)"
     cfg = ModelConfig.preset(args.preset)
-    return random_model(cfg, dtype, seed=0), None, f"{cfg.name} shape, random weights"
+    from checkpoints.tokenizer import NullTokenizer  # ids only: the engine streams no text
+
+    return random_model(cfg, dtype, seed=0), NullTokenizer(), f"{cfg.name} shape, random weights"
 
 
 def _same_program(a: Step, b: Step) -> bool:
@@ -288,7 +291,8 @@ def run(args, save=lambda result: None) -> dict:
     """The steps on one workload; `save(partial result)` after each step (a run cut short keeps what it measured)."""
     model, tokenizer, label = load(args)
     lo, hi = args.prompt_tokens
-    if tokenizer is not None:
+    real = args.preset == "smollm2"  # real weights and text; else random weights, ids, replayed drafts
+    if real:
         prompts = code_prompts(tokenizer, args.num_requests, lo, hi, args.seed)
     else:
         rng = np.random.default_rng(args.seed)
@@ -325,7 +329,7 @@ def run(args, save=lambda result: None) -> dict:
             save(result)
             continue
         proposer = None
-        if step.speculate and tokenizer is None:
+        if step.speculate and not real:
             from serving.engine.proposers import ReplayProposer
 
             seqs = [p + o for p, o in zip(prompts, recorded)]
@@ -337,18 +341,18 @@ def run(args, save=lambda result: None) -> dict:
             warm(engine, prompts, args.max_tokens)
         warm_rows(engine)
         trials = Trials(engine.spec.proposer) if engine.spec is not None else None
-        result = serve(engine, prompts, times, args.max_tokens)
+        served = serve(engine, prompts, times, args.max_tokens)
         if step.name == "kv_int8":
-            recorded = result["tokens"]  # the replay proposer's greedy continuations (same weights and KV)
+            recorded = served["tokens"]  # the replay proposer's greedy continuations (same weights and KV)
         row = dict(
             step=step.name, **dataclasses.asdict(step), capacity=capacity, max_num_seqs=engine.config.max_num_seqs
         )
-        row |= summarize(result, times, args.max_tokens) | dict(weight_bytes=wbytes, build_s=build_s)
+        row |= summarize(served, times, args.max_tokens) | dict(weight_bytes=wbytes, build_s=build_s)
         if trials is not None:
             row |= dict(acceptance=trials.successes / max(trials.trials, 1), verify_passes=trials.passes)
             row["proposer"] = "replay" if proposer is not None else "ngram"
         key = (step.quantization, step.kv_cache_dtype)
-        if tokenizer is not None and args.quality_seqs:
+        if real and args.quality_seqs:
             if key not in quality:
                 quality[key] = perplexity(model, tokenizer, step, args)
             row["ppl_code"] = quality[key]
@@ -431,7 +435,7 @@ def main(argv=None) -> None:
 
     def save(result):
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
         plot(result, args.png or os.path.splitext(args.out)[0] + ".png")
 
     save(run(args, save))
