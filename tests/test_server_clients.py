@@ -268,3 +268,27 @@ def test_lm_eval_local_completions_scores_a_local_task(live, tmp_path):
     print("lm-eval tiny_facts acc:", acc, "loglikelihoods:", got)
     assert np.allclose(got, ref, atol=5e-3), (got, ref)
     assert acc == np.mean([int(np.argmax(r)) == d["answer"] for r, d in zip(ref, DOCS)])
+
+
+def test_lm_eval_rolling_perplexity_matches_offline(live, tmp_path):
+    """lm-eval's loglikelihood_rolling (a perplexity task) through the server equals the offline figure of the
+    same held-out text: same tokens through /tokenize, and per window the summed logprob of LLM.score (no server)
+    on lm-eval's own windows; the token perplexity within 0.1% (issue 13)."""
+    from benchmarks import lm_eval_ppl
+
+    llm, url = live
+    text = lm_eval_ppl.documents(1500)[0]["text"]  # a held-out licence text, > 1 window of MAX_MODEL_LEN tokens
+    (got,) = lm_eval_ppl.run_lm_eval(url, MODEL, [dict(text=text)], MAX_MODEL_LEN, str(tmp_path))
+    ids = llm.tokenizer.encode(text, False)
+    assert lm_eval_ppl._tokenize(url, text) == ids
+    pairs = lm_eval_ppl.windows(ids, lm_eval_ppl.prefix_token(url), MAX_MODEL_LEN)
+    assert len(pairs) >= 2 and sum(len(c) for _, c in pairs) == len(ids)
+    ref = 0.0
+    for ctx, cont in pairs:
+        x = llm.score(ctx + cont).astype(np.float64)
+        logp = x - x.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        ref += float(sum(logp[len(ctx) - 1 + j, t] for j, t in enumerate(cont)))
+    ppl_server, ppl_offline = np.exp(-got / len(ids)), np.exp(-ref / len(ids))
+    print("lm-eval rolling ppl", ppl_server, "offline", ppl_offline)
+    assert abs(ppl_server / ppl_offline - 1.0) < 1e-3, (ppl_server, ppl_offline)
