@@ -212,8 +212,8 @@ class QuantizationConfig:
 
     Attributes:
         method: None (the checkpoint's dtype, or the checkpoint's own quantised format), or one of QUANTIZATIONS.
-        calibration_file: text whose activations calibrate AWQ / GPTQ / SmoothQuant / static fp8 (None: a small
-            built-in text); round-to-nearest methods need none.
+        calibration_file: text whose activations calibrate AWQ / GPTQ / SmoothQuant and the fp8 weights of fp8 /
+            w8a8_fp8 (None: a small built-in text); int8 and int4_rtn need none.
     """
 
     method: str | None = None
