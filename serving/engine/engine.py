@@ -149,6 +149,9 @@ class LLMEngine:
             logits = jax.numpy.zeros((s, self.vocab_size), jax.numpy.float32)
             banned = np.full((s, _MAX_BANNED), -1, np.int32)
             jax.block_until_ready(sample_rows(logits, SamplingTensors.from_rows([{}] * s), None, None, banned))
+            if widths is None:  # the gathers of sampled rows out of every logits shape a step returns (GPU)
+                for n in sorted(set(self.runner.logit_buckets) | set(self.runner.decode_buckets)):
+                    _take_rows(jax.numpy.zeros((n, self.vocab_size), jax.numpy.float32), np.zeros(s, np.int32))
 
     # Requests ------------------------------------------------------------------------------------------------
 
@@ -237,8 +240,7 @@ class LLMEngine:
             return {}, None
         index = [i for i, sr in enumerate(out.scheduled) if sr.sample]
         reqs = [sr.request for sr in rows]
-        logits = logits[np.asarray(index)] if len(index) != logits.shape[0] else logits
-        tok, lp, top_ids, top_lp = self._sample(logits, reqs)
+        tok, lp, top_ids, top_lp = self._sample(logits, reqs, index)
         want = any(r.sampling_params.logprobs is not None for r in reqs)
         sampled = {r.request_id: [int(tok[i])] for i, r in enumerate(reqs)}
         logprobs = None
@@ -248,14 +250,13 @@ class LLMEngine:
             }
         return sampled, logprobs
 
-    def _sample(self, logits, reqs: list[Request]):
+    def _sample(self, logits, reqs: list[Request], rows: Sequence[int] | None = None):
+        """Samples reqs[i] from logits[rows[i]] (rows default: the first len(reqs))."""
         n = len(reqs)
-        s = (
-            self.runner.decode_buckets[-1]
-            if n > self.runner.decode_buckets[-1]
-            else next(b for b in self.runner.decode_buckets if b >= n)
-        )
-        logits = logits[:s] if logits.shape[0] >= s else jax.numpy.pad(logits, ((0, s - logits.shape[0]), (0, 0)))
+        s = next((b for b in self.runner.decode_buckets if b >= n), n)
+        index = np.zeros(s, np.int32)  # padded to the bucket: one gather per (logits bucket, s), none per row count
+        index[:n] = np.arange(n) if rows is None else rows
+        logits = _take_rows(logits, index)
         st = pad_sampling(_sampling_tensors(reqs), s)
         penalties = any(has_penalties(r.sampling_params) for r in reqs)
         out_ids = _pad_ids([r.output_token_ids for r in reqs], s) if penalties else None
@@ -415,6 +416,11 @@ def _sampling_tensors(reqs: Sequence[Request], ahead: Sequence[int] | int = 0) -
         seed=np.array([p.seed % (2**32) for p in ps], np.uint32),
         step=np.array([r.num_output_tokens + a for r, a in zip(reqs, ahead)], np.int32),
     )
+
+
+@jax.jit
+def _take_rows(logits_lv: jax.Array, index_s: jax.Array) -> jax.Array:
+    return jax.numpy.take(logits_lv, index_s, axis=0)  # [s, V]
 
 
 def _pad_ids(lists: Sequence[Sequence[int]], s: int) -> np.ndarray:

@@ -202,7 +202,7 @@ class SpecDecoder:
         if not plain:
             return {}, None
         reqs = [sr.request for _, sr in plain]
-        tok, lp, top_ids, top_lp = self._engine._sample(logits[np.asarray([first[i] for i, _ in plain])], reqs)
+        tok, lp, top_ids, top_lp = self._engine._sample(logits, reqs, [int(first[i]) for i, _ in plain])
         sampled = {r.request_id: [int(tok[j])] for j, r in enumerate(reqs)}
         if not any(r.sampling_params.logprobs is not None for r in reqs):
             return sampled, None
