@@ -1,0 +1,133 @@
+"""The seed's speculative trade under load: off vs always-on vs adaptive at rising request rates (issue 12).
+
+    PYTHONPATH=. python benchmarks/spec_load.py --rates 0.5,2,8 --out benchmarks/results/spec_load_cpu.json
+    PYTHONPATH=. python benchmarks/spec_load.py --preset llama3_8b --replay_acceptance 0.7 --rates 1,8,32,128 \\
+        --num_requests 128 --max_num_seqs 64 --memory_budget_gb 60 --spec_batch_threshold 16 --out $OUT/spec_load.json
+
+The workload, engine construction and serving loop are benchmarks/worked_example.py's (code completions of
+--max_tokens greedy tokens, Poisson arrivals, a KV pool of what --memory_budget_gb leaves after the weights), with
+bf16 weights and KV. Per rate, three engines: `off`; `always` (n-gram speculation, or on random weights the replay
+proposer at --replay_acceptance, on every decode step); `adaptive` (the same, only while fewer than
+--spec_batch_threshold sequences run; serving/core/spec_policy.py ramps k down towards the threshold). Reported:
+p50 / p95 latency, TTFT p50, throughput, peak running, acceptance. The goal in issue 12: adaptive keeps >= 90% of
+always-on's p50 latency gain at the lowest rate and loses < 3% throughput to `off` at the highest (saturation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+import jax
+import numpy as np
+
+from benchmarks import worked_example as we
+
+METHODS = ("off", "always", "adaptive")
+
+
+def _step(method: str, threshold: int) -> we.Step:
+    backend = None  # the default kernels
+    if method == "off":
+        return we.Step("off", backend)
+    return we.Step(method, backend, speculate=True, threshold=threshold if method == "adaptive" else 0)
+
+
+def run(args) -> dict:
+    model, tokenizer, label = we.load(args)
+    real = args.preset == "smollm2"  # real text and n-gram drafts; random weights: token ids and replay drafts
+    lo, hi = args.prompt_tokens
+    if real:
+        prompts = we.code_prompts(tokenizer, args.num_requests, lo, hi, args.seed)
+    else:
+        rng = np.random.default_rng(args.seed)
+        prompts = [
+            rng.integers(3, model.cfg.vocab_size, int(rng.integers(lo, hi + 1))).tolist()
+            for _ in range(args.num_requests)
+        ]
+    result = dict(
+        model=label,
+        device=f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        args=vars(args),
+        rows=[],
+    )
+    recorded = None
+    for rate in args.rates:
+        times = we.arrivals(args.num_requests, rate, args.seed)
+        for method in METHODS:
+            step = _step(method, args.spec_batch_threshold)
+            proposer = None
+            if step.speculate and not real:
+                from serving.engine.proposers import ReplayProposer
+
+                seqs = [p + o for p, o in zip(prompts, recorded)]
+                proposer = ReplayProposer(
+                    seqs, [len(p) for p in prompts], args.replay_acceptance, model.cfg.vocab_size, 0
+                )
+            engine, capacity, _ = we.make_engine(model, tokenizer, step, args, prompts, proposer)
+            if args.warmup == "pass":
+                we.warm(engine, prompts, args.max_tokens)
+            we.warm_rows(engine)
+            trials = we.Trials(engine.spec.proposer) if engine.spec is not None else None
+            served = we.serve(engine, prompts, times, args.max_tokens)
+            if method == "off" and recorded is None:
+                recorded = served["tokens"]  # greedy continuations: what the replay proposer corrupts
+            row = dict(rate=rate, method=method, capacity=capacity) | we.summarize(served, times, args.max_tokens)
+            if trials is not None:
+                row |= dict(acceptance=trials.successes / max(trials.trials, 1), verify_passes=trials.passes)
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            del engine
+    result["goals"] = goals(result["rows"])
+    print(json.dumps(result["goals"]), flush=True)
+    return result
+
+
+def goals(rows: list[dict]) -> dict:
+    """Adaptive's share of always-on's p50 latency gain at the lowest rate; throughput vs off at the highest."""
+    by = {(r["rate"], r["method"]): r for r in rows}
+    lo, hi = min(r["rate"] for r in rows), max(r["rate"] for r in rows)
+    gain = by[(lo, "off")]["p50_latency_s"] - by[(lo, "always")]["p50_latency_s"]
+    kept = (by[(lo, "off")]["p50_latency_s"] - by[(lo, "adaptive")]["p50_latency_s"]) / gain if gain > 0 else None
+    off_tp = by[(hi, "off")]["throughput_tok_s"]
+    return dict(
+        low_rate=lo,
+        always_latency_gain_s=gain,
+        adaptive_share_of_gain=kept,
+        high_rate=hi,
+        always_throughput_vs_off=by[(hi, "always")]["throughput_tok_s"] / off_tp,
+        adaptive_throughput_vs_off=by[(hi, "adaptive")]["throughput_tok_s"] / off_tp,
+    )
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="smollm2", help="smollm2 (the default checkpoint) or a ModelConfig preset")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 2.0, 8.0])
+    p.add_argument("--num_requests", type=int, default=16)
+    p.add_argument("--max_tokens", type=int, default=120)
+    p.add_argument("--prompt_tokens", type=int, nargs=2, default=(48, 120), metavar=("MIN", "MAX"))
+    p.add_argument("--memory_budget_gb", type=float, default=0.3, help="weights + KV pool")
+    p.add_argument("--max_num_seqs", type=int, default=8)
+    p.add_argument("--max_num_batched_tokens", type=int, default=256)
+    p.add_argument("--block_size", type=int, default=16)
+    p.add_argument("--num_speculative_tokens", type=int, default=4)
+    p.add_argument("--spec_batch_threshold", type=int, default=4)
+    p.add_argument("--replay_acceptance", type=float, default=0.7, help="random weights: ReplayProposer's rate")
+    p.add_argument("--warmup", choices=("engine", "pass"), default="pass", help="pass: the workload once untimed")
+    p.add_argument("--compilation_cache_dir", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/spec_load_cpu.json")
+    args = p.parse_args(argv)
+    result = run(args)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
