@@ -32,6 +32,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model.sampling import NEG_INF, SamplingTensors
 from serving.core.request import Request, RequestStatus
@@ -229,6 +231,25 @@ class SpecDecoder:
         st = pad_sampling(self._sampling_tensors([sr.request for _, sr in spec]), b)
         tokens, n_emit = _verify_rows(logits, index, banned, st, drafts, num_draft, self._draft_probs(spec, b))
         return np.asarray(tokens)[:n], np.asarray(n_emit)[:n]
+
+    def warmup(self) -> None:
+        """Compiles the verify function for every (logits bucket, drafting-row bucket) a step can hand it, so
+        nothing compiles while serving: rows b run in powers of two up to max_num_seqs, or up to the batch
+        threshold's bucket when one is set (no row drafts from there on)."""
+        r, k1 = self.runner, self.max_k + 1
+        cap = max(1, min(r.max_num_seqs, self.policy.config.batch_threshold))
+        rows = [1 << i for i in range((cap - 1).bit_length() + 1)]  # 1, 2, 4, ... up to the bucket holding cap
+        q = getattr(self.proposer, "samples", False)
+        for n in r.logit_buckets:
+            # placed as the runner's logits are (replicated on its mesh): the jit cache keys on the sharding too
+            logits = jax.device_put(jnp.zeros((n, r.cfg.vocab_size), jnp.float32), NamedSharding(r.mesh, P(None, None)))
+            for b in rows:
+                st = pad_sampling(self._sampling_tensors([]), b)
+                args = (np.zeros((b, k1), np.int32), np.full((b, k1, _MAX_BANNED), -1, np.int32), st)
+                drafts, num = np.zeros((b, self.max_k), np.int32), np.zeros(b, np.int32)
+                qs = [None] + ([jnp.zeros((b, self.max_k, r.cfg.vocab_size), jnp.float32)] if q else [])
+                for q_bkv in qs:
+                    jax.block_until_ready(_verify_rows(logits, *args, drafts, num, q_bkv))
 
     def _draft_probs(self, spec: Sequence[tuple[int, object]], b: int):
         """q [b, max_k, V] of the rows' drafts (sampling proposers), or None (q one-hot at each draft)."""
