@@ -237,12 +237,15 @@ def test_policy_tiers_and_bans():
 
 
 def test_truncated_model_shares_the_target_arrays(llm):
-    from model.transformer import model_params
+    from flax import nnx
 
     draft = truncated_model(llm.model, 3)
-    ours, theirs = model_params(draft), model_params(llm.model)
+    ours = dict(nnx.to_flat_state(nnx.state(draft)))
+    theirs = dict(nnx.to_flat_state(nnx.state(llm.model)))
     assert draft.cfg.num_layers == 3 and set(ours) < set(theirs)
-    assert all(ours[n] is theirs[n] or np.shares_memory(ours[n], theirs[n]) for n in ours)
+    assert any(p[0] == "layers" and p[1] == 2 for p in ours) and not any(p[:2] == ("layers", 3) for p in ours)
+    # the same arrays (fused q|k|v and gate|up slots included), not copies
+    assert all(ours[p][...] is theirs[p][...] for p in ours)
     with pytest.raises(ValueError, match="speculative_draft_layers"):
         truncated_model(llm.model, llm.model.cfg.num_layers)
 

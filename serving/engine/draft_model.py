@@ -30,9 +30,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from model.sampling import SamplingTensors
-from model.transformer import Transformer, build_model, model_params
+from model.transformer import Transformer, abstract_model, build_model
 from serving.engine.proposers import Proposal, ProposalRow, Proposer, _check_rows
 from serving.engine.runner import ModelRunner, RowInput
 
@@ -44,10 +45,12 @@ def truncated_model(model: Transformer, num_layers: int) -> Transformer:
             f"speculative_draft_layers must be in [1, {model.cfg.num_layers}) for this model, got {num_layers}"
         )
     cfg = dataclasses.replace(model.cfg, num_layers=num_layers)
-    params = {
-        n: v for n, v in model_params(model).items() if not n.startswith("layers.") or int(n.split(".")[1]) < num_layers
-    }
-    return build_model(cfg, params, model.dtype)
+    draft = abstract_model(cfg, model.dtype)
+    # The target's own variables, whole (fused q|k|v and gate|up slots included): nnx.update assigns, never copies.
+    state = nnx.state(model)
+    state["layers"] = nnx.State({i: state["layers"][i] for i in range(num_layers)})
+    nnx.update(draft, state)
+    return draft
 
 
 class ModelDraftProposer(Proposer):
