@@ -21,7 +21,6 @@ import subprocess
 import time
 
 import jax
-import numpy as np
 
 from benchmarks import worked_example as we
 
@@ -38,15 +37,7 @@ def _step(method: str, threshold: int) -> we.Step:
 def run(args) -> dict:
     model, tokenizer, label = we.load(args)
     real = args.preset == "smollm2"  # real text and n-gram drafts; random weights: token ids and replay drafts
-    lo, hi = args.prompt_tokens
-    if real:
-        prompts = we.code_prompts(tokenizer, args.num_requests, lo, hi, args.seed)
-    else:
-        rng = np.random.default_rng(args.seed)
-        prompts = [
-            rng.integers(3, model.cfg.vocab_size, int(rng.integers(lo, hi + 1))).tolist()
-            for _ in range(args.num_requests)
-        ]
+    prompts = we.workload_prompts(args, model, tokenizer)
     result = dict(
         model=label,
         device=f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
@@ -106,22 +97,10 @@ def goals(rows: list[dict]) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="smollm2", help="smollm2 (the default checkpoint) or a ModelConfig preset")
-    p.add_argument("--dtype", default="bfloat16")
+    we.add_workload_flags(p)
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 2.0, 8.0])
-    p.add_argument("--num_requests", type=int, default=16)
-    p.add_argument("--max_tokens", type=int, default=120)
-    p.add_argument("--prompt_tokens", type=int, nargs=2, default=(48, 120), metavar=("MIN", "MAX"))
-    p.add_argument("--memory_budget_gb", type=float, default=0.3, help="weights + KV pool")
-    p.add_argument("--max_num_seqs", type=int, default=8)
-    p.add_argument("--max_num_batched_tokens", type=int, default=256)
-    p.add_argument("--block_size", type=int, default=16)
-    p.add_argument("--num_speculative_tokens", type=int, default=4)
-    p.add_argument("--spec_batch_threshold", type=int, default=4)
     p.add_argument("--replay_acceptance", type=float, default=0.7, help="random weights: ReplayProposer's rate")
     p.add_argument("--warmup", choices=("engine", "pass"), default="pass", help="pass: the workload once untimed")
-    p.add_argument("--compilation_cache_dir", default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/spec_load_cpu.json")
     args = p.parse_args(argv)
     result = run(args)

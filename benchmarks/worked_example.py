@@ -92,6 +92,34 @@ def code_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[list[in
     return out
 
 
+def workload_prompts(args, model, tokenizer) -> list[list[int]]:
+    """--num_requests prompts of --prompt_tokens lengths: stdlib code for SmolLM2, random ids for random weights."""
+    lo, hi = args.prompt_tokens
+    if args.preset == "smollm2":
+        return code_prompts(tokenizer, args.num_requests, lo, hi, args.seed)
+    rng = np.random.default_rng(args.seed)
+    return [
+        rng.integers(3, model.cfg.vocab_size, int(rng.integers(lo, hi + 1))).tolist() for _ in range(args.num_requests)
+    ]
+
+
+def add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The model, workload and engine flags this script shares with benchmarks/spec_load.py."""
+    p.add_argument("--preset", default="smollm2", help="smollm2 (the default checkpoint) or a ModelConfig preset")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num_requests", type=int, default=16)
+    p.add_argument("--max_tokens", type=int, default=120)
+    p.add_argument("--prompt_tokens", type=int, nargs=2, default=(48, 120), metavar=("MIN", "MAX"))
+    p.add_argument("--memory_budget_gb", type=float, default=0.3, help="weights + KV pool")
+    p.add_argument("--max_num_seqs", type=int, default=8)
+    p.add_argument("--max_num_batched_tokens", type=int, default=256)
+    p.add_argument("--block_size", type=int, default=16)
+    p.add_argument("--num_speculative_tokens", type=int, default=4)
+    p.add_argument("--spec_batch_threshold", type=int, default=4)
+    p.add_argument("--compilation_cache_dir", default=None, help="persistent XLA cache (default: the engine's)")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def arrivals(n: int, rate: float, seed: int) -> np.ndarray:
     """Poisson arrival times (s) of n requests at `rate` per second, the first at 0."""
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, n)
@@ -290,16 +318,8 @@ def _same_program(a: Step, b: Step) -> bool:
 def run(args, save=lambda result: None) -> dict:
     """The steps on one workload; `save(partial result)` after each step (a run cut short keeps what it measured)."""
     model, tokenizer, label = load(args)
-    lo, hi = args.prompt_tokens
     real = args.preset == "smollm2"  # real weights and text; else random weights, ids, replayed drafts
-    if real:
-        prompts = code_prompts(tokenizer, args.num_requests, lo, hi, args.seed)
-    else:
-        rng = np.random.default_rng(args.seed)
-        prompts = [
-            rng.integers(3, model.cfg.vocab_size, int(rng.integers(lo, hi + 1))).tolist()
-            for _ in range(args.num_requests)
-        ]
+    prompts = workload_prompts(args, model, tokenizer)
     times = arrivals(args.num_requests, args.rate, args.seed)
     rows, recorded, quality = [], None, {}
     result = dict(
@@ -392,18 +412,8 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="smollm2", help="smollm2 (the default checkpoint) or a ModelConfig preset")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num_requests", type=int, default=16)
+    add_workload_flags(p)
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s")
-    p.add_argument("--max_tokens", type=int, default=120)
-    p.add_argument("--prompt_tokens", type=int, nargs=2, default=(48, 120), metavar=("MIN", "MAX"))
-    p.add_argument("--memory_budget_gb", type=float, default=0.3, help="weights + KV pool")
-    p.add_argument("--max_num_seqs", type=int, default=8)
-    p.add_argument("--max_num_batched_tokens", type=int, default=256)
-    p.add_argument("--block_size", type=int, default=16)
-    p.add_argument("--num_speculative_tokens", type=int, default=4)
-    p.add_argument("--spec_batch_threshold", type=int, default=4)
     p.add_argument("--replay_acceptance", type=float, default=None, help="random weights: ReplayProposer's rate")
     p.add_argument("--kernel_backend", default="auto", help="steps 2+: auto (the default kernels) or a backend")
     p.add_argument("--num_steps", type=int, default=len(STEPS))
@@ -415,9 +425,7 @@ def main(argv=None) -> None:
         default="engine",
         help="engine: compile every bucket first; pass: run the workload once untimed first",
     )
-    p.add_argument("--compilation_cache_dir", default=None, help="persistent XLA cache (default: the engine's)")
     p.add_argument("--reuse_rows", default=None, help="JSON lines of steps measured by an earlier identical run")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/worked_example_cpu.json")
     p.add_argument("--png", default=None, help="default: --out with .png")
     args = p.parse_args(argv)
