@@ -137,6 +137,9 @@ def test_update_weights_in_place_without_recompiling(params):
     np.testing.assert_array_equal(llm.score(prompts[0]), fresh.score(prompts[0]))  # the module was updated too
 
 
+QKV = ("wq", "wk", "wv")
+
+
 def test_update_weights_accepts_a_state_and_a_module_and_casts(params):
     llm = LLM.from_params(CFG, params, **OPTS)
     new_model = random_model(CFG, jnp.float32, seed=9)
@@ -156,8 +159,8 @@ def test_update_weights_refuses_bad_params(llm, params):
     bad = dict(params, embed=jnp.zeros((3, 3)))
     with pytest.raises(ValueError, match="embed: shape"):
         llm.update_weights(bad)
-    with pytest.raises(ValueError, match="QuantizedArray for a float"):
-        llm.update_weights(dict(params, **{"layers.0.wq": rtn(params["layers.0.wq"], "int8")}))
+    with pytest.raises(ValueError, match="QuantizedArray for a float"):  # q|k|v are one (fused) float slot
+        llm.update_weights(dict(params, **{f"layers.0.{n}": rtn(params[f"layers.0.{n}"], "int8") for n in QKV}))
 
 
 def test_update_weights_is_refused_while_requests_run_unless_drained(params):
@@ -175,9 +178,11 @@ def test_update_weights_is_refused_while_requests_run_unless_drained(params):
 def test_quantized_slots_are_requantized_in_place(params):
     """A model holding int8 and int4 (asymmetric, grouped) QuantizedArrays: float updates are re-quantised in
     the held layout, so the steps do not recompile, and the engine equals one built on the same quantisation."""
-    q = dict(params)
-    q["layers.0.wq"] = rtn(params["layers.0.wq"], "int8")
-    q["layers.1.w_up"] = rtn(params["layers.1.w_up"], "int4", group_size=16, asymmetric=True)
+    q = dict(params)  # whole fused groups (q|k|v, gate|up: model/fused.py) quantised alike
+    for n in QKV:
+        q[f"layers.0.{n}"] = rtn(params[f"layers.0.{n}"], "int8")
+    for n in ("w_gate", "w_up"):
+        q[f"layers.1.{n}"] = rtn(params[f"layers.1.{n}"], "int4", group_size=16, asymmetric=True)
     llm = LLM.from_params(CFG, q, **OPTS)
     prompts, conts = [[5, 6, 7, 8, 9]], [[10, 11, 12]]
     before = llm.logprobs(prompts, conts)[0].token_logprobs
@@ -189,8 +194,10 @@ def test_quantized_slots_are_requantized_in_place(params):
     assert isinstance(held["layers.0.wq"], QuantizedArray) and held["layers.1.w_up"].fmt == "int4"
     after = llm.logprobs(prompts, conts)[0].token_logprobs
     want = dict(new)
-    want["layers.0.wq"] = rtn(new["layers.0.wq"], "int8")
-    want["layers.1.w_up"] = rtn(new["layers.1.w_up"], "int4", group_size=16, asymmetric=True)
+    for n in QKV:
+        want[f"layers.0.{n}"] = rtn(new[f"layers.0.{n}"], "int8")
+    for n in ("w_gate", "w_up"):
+        want[f"layers.1.{n}"] = rtn(new[f"layers.1.{n}"], "int4", group_size=16, asymmetric=True)
     fresh = LLM.from_params(CFG, want, **OPTS).logprobs(prompts, conts)[0].token_logprobs
     np.testing.assert_allclose(after, fresh, atol=1e-6)
     assert np.abs(after - before).max() > 1e-3
