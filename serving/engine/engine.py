@@ -23,8 +23,6 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from model.sampling import SamplingTensors
 from serving.config import EngineConfig
@@ -152,10 +150,8 @@ class LLMEngine:
             banned = np.full((s, _MAX_BANNED), -1, np.int32)
             jax.block_until_ready(sample_rows(logits, SamplingTensors.from_rows([{}] * s), None, None, banned))
             if widths is None:  # the gathers of sampled rows out of every logits shape a step returns (GPU)
-                logits_sharding = NamedSharding(self.runner.mesh, P(None, None))  # as the steps return them
                 for n in sorted(set(self.runner.logit_buckets) | set(self.runner.decode_buckets)):
-                    zeros = jax.device_put(jax.numpy.zeros((n, self.vocab_size), jax.numpy.float32), logits_sharding)
-                    _take_rows(zeros, np.zeros(s, np.int32))
+                    _take_rows(self.runner.zero_logits(n), np.zeros(s, np.int32))
         if widths is None and self.spec is not None:
             self.spec.warmup()  # the verify pass's acceptance function, per logits and row bucket
 

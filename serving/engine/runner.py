@@ -467,6 +467,11 @@ class ModelRunner:
         self._count_routed(counts)
         return LoopHandle(out_tok, out_lp, len(rows), row_limits[: len(rows)].copy())
 
+    def zero_logits(self, n: int) -> jax.Array:
+        """float32 zeros [n, V] placed as the steps return logits (warm-ups: the jit cache keys on placement)."""
+        zeros = jnp.zeros((n, self.cfg.vocab_size), jnp.float32)
+        return jax.device_put(zeros, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None)))
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: page dst := page src in every layer (with its scales, for quantised pages)."""
         if not pairs:

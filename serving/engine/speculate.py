@@ -32,8 +32,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from model.sampling import NEG_INF, SamplingTensors
 from serving.core.request import Request, RequestStatus
@@ -241,8 +239,7 @@ class SpecDecoder:
         rows = [1 << i for i in range((cap - 1).bit_length() + 1)]  # 1, 2, 4, ... up to the bucket holding cap
         q = getattr(self.proposer, "samples", False)
         for n in r.logit_buckets:
-            # placed as the runner's logits are (replicated on its mesh): the jit cache keys on the sharding too
-            logits = jax.device_put(jnp.zeros((n, r.cfg.vocab_size), jnp.float32), NamedSharding(r.mesh, P(None, None)))
+            logits = r.zero_logits(n)
             for b in rows:
                 st = pad_sampling(self._sampling_tensors([]), b)
                 args = (np.zeros((b, k1), np.int32), np.full((b, k1, _MAX_BANNED), -1, np.int32), st)
