@@ -1,11 +1,15 @@
 """Decode throughput of the engine's runner at real shapes with random weights (GPU).
 
     PYTHONPATH=. python benchmarks/decode_llama.py --preset llama3_8b --batches 1,64 --ctx 1024 --steps 32
+    ... --formats bf16,int8,fp8,int4_rtn --kv_cache_dtypes auto,int8    (the per-format table of issue 13)
 
-For each batch size: a ModelRunner over a paged KV pool, every row at context `ctx` (pages assigned, contents
+For each (weight format, KV dtype) and batch size: a ModelRunner over a paged KV pool, every row at context `ctx` (pages assigned, contents
 random), timed `decode_loop` calls of `steps` on-device decode steps (model + sampling), reported as tokens/s,
-ms/step and effective weight bandwidth (parameter bytes / step time). Also times a single-step call (one host
-round trip per token) and the start-up compile. Prints a table and writes JSON to --out.
+ms/step and effective weight bandwidth (stored parameter bytes / step time). Also times a single-step call (one
+host round trip per token) and the start-up compile. Per format it also reports the stored weight bytes and how many
+sequences of `--concurrency_context` tokens the device's memory holds beside them (KV pool sized as the engine sizes
+it: serving/engine/runner.py size_kv_pool at memory_fraction 0.9). Weight formats are serving/engine/quantize.py's
+methods applied to the random bf16 model (calibrated ones on its built-in text). Writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -26,15 +30,58 @@ from serving.engine.llm import enable_compilation_cache
 from serving.engine.runner import ModelRunner, RowInput
 
 
+def stored_bytes(model) -> int:
+    """Bytes of every parameter as stored (QuantizedArray values + scales + zero points)."""
+    return sum(int(x.nbytes) for x in jax.tree.leaves(nnx_state(model)) if hasattr(x, "nbytes"))
+
+
+def read_bytes(cfg: ModelConfig, weight_bytes: int, batch: int) -> float:
+    """Weight bytes one decode step must read at `batch` rows: all of a dense model; for an MoE model the shared
+    parameters plus the routed experts that uniform top-k routing touches in expectation, E * (1 - (1 - k/E)^batch)
+    (batch 1: the k active experts, the bandwidth floor of the active parameters)."""
+    if not cfg.num_experts:
+        return float(weight_bytes)
+    total, active = cfg.num_params(), cfg.num_params(active=True)
+    per_expert = (total - active) / (cfg.num_experts - cfg.num_experts_per_tok)
+    shared = total - cfg.num_experts * per_expert
+    touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)
+    return weight_bytes * (shared + touched * per_expert) / total
+
+
 def bench(
-    preset: str, batches: list[int], ctx: int, steps: int, block_size: int, backend: str | None, repeats: int
+    preset: str,
+    batches: list[int],
+    ctx: int,
+    steps: int,
+    block_size: int,
+    backend: str | None,
+    repeats: int,
+    fmt: str = "bf16",
+    kv_cache_dtype: str = "auto",
+    concurrency_context: int = 8192,
 ) -> dict:
+    from serving.engine.quantize import kv_cache_dtype as kv_dtype_of
+    from serving.engine.quantize import quantize_model
+    from serving.engine.runner import kv_bytes_per_block, size_kv_pool
+
     cfg = ModelConfig.preset(preset)
     t0 = time.perf_counter()
     model = random_model(cfg, jnp.bfloat16)
+    if fmt != "bf16":
+        quantize_model(model, fmt)
     jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
     init_s = time.perf_counter() - t0
-    weight_bytes = cfg.num_params() * 2
+    weight_bytes = stored_bytes(model)
+    kv_dtype = kv_dtype_of(kv_cache_dtype, jnp.bfloat16)
+    blocks_8k = -(-concurrency_context // block_size)
+    pool_blocks = size_kv_pool(model, block_size, kv_dtype, 0.9, 1 << 30)
+    concurrency = pool_blocks // blocks_8k
+    print(
+        f"{preset} {fmt} kv={kv_cache_dtype}: weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
+        f"({kv_bytes_per_block(model, block_size, kv_dtype) / 2**20:.2f} MiB each) = {concurrency} sequences of "
+        f"{concurrency_context} tokens; init+quantise {init_s:.1f}s",
+        flush=True,
+    )
     max_b = max(batches)
     blocks_per_row = -(-(ctx + steps * (repeats + 2)) // block_size)
     runner = ModelRunner(
@@ -45,9 +92,15 @@ def bench(
         max_num_batched_tokens=max(256, max_b),
         max_model_len=blocks_per_row * block_size,
         attention_backend=backend,
+        kv_dtype=kv_dtype,
     )
     results = {
         "preset": preset,
+        "format": fmt,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_pool_blocks_at_0.9": pool_blocks,
+        "concurrency_context": concurrency_context,
+        "concurrent_sequences": concurrency,
         "ctx": ctx,
         "steps_per_call": steps,
         "weight_bytes": weight_bytes,
@@ -84,8 +137,11 @@ def bench(
             jax.block_until_ready(runner.forward(rows))
             single.append(time.perf_counter() - t0)
         single_s = float(np.median(single))
+        read = read_bytes(cfg, weight_bytes, b)
         row = {
             "batch": b,
+            "expected_weight_bytes_read": read,
+            "read_TBps_loop": read / (loop_s / steps) / 1e12,
             "compile_s": compile_s,
             "ms_per_step_loop": 1e3 * loop_s / steps,
             "tokens_per_s_loop": b * steps / loop_s,
@@ -95,8 +151,9 @@ def bench(
         }
         results["rows"].append(row)
         print(
-            f"{preset} B={b:3d} ctx={ctx}: loop {row['ms_per_step_loop']:.2f} ms/step "
-            f"{row['tokens_per_s_loop']:.0f} tok/s ({row['weight_TBps_loop']:.2f} TB/s weights); "
+            f"{preset} {fmt} kv={kv_cache_dtype} B={b:3d} ctx={ctx}: loop {row['ms_per_step_loop']:.2f} ms/step "
+            f"{row['tokens_per_s_loop']:.0f} tok/s ({row['weight_TBps_loop']:.2f} TB/s all weights, "
+            f"{row['read_TBps_loop']:.2f} TB/s of the {read / 1e9:.1f} GB a step reads); "
             f"single-step {row['ms_per_step_single']:.2f} ms ({row['tokens_per_s_single']:.0f} tok/s); "
             f"compile {compile_s:.1f}s",
             flush=True,
@@ -113,6 +170,9 @@ def nnx_state(model):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama3_8b")
+    p.add_argument("--formats", default="bf16", help="comma list: bf16 and serving/engine/quantize.py's methods")
+    p.add_argument("--kv_cache_dtypes", default="auto", help="comma list of auto, int8, fp8")
+    p.add_argument("--concurrency_context", type=int, default=8192)
     p.add_argument("--batches", default="1,64")
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
@@ -140,9 +200,14 @@ def main():
             )
 
         kv.PagedMeta.attend = attend_without_kernel
-    res = bench(a.preset, [int(x) for x in a.batches.split(",")], a.ctx, a.steps, a.block_size, a.backend, a.repeats)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=2)
+    batches = [int(x) for x in a.batches.split(",")]
+    runs = []
+    for fmt in a.formats.split(","):
+        for kv in a.kv_cache_dtypes.split(","):
+            args = (a.preset, batches, a.ctx, a.steps, a.block_size, a.backend, a.repeats)
+            runs.append(bench(*args, fmt=fmt, kv_cache_dtype=kv, concurrency_context=a.concurrency_context))
+            with open(a.out, "w") as f:  # rewritten after each run: a run cut short keeps what it finished
+                json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":
