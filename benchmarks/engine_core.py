@@ -210,6 +210,9 @@ def device_timeline(trace_dir: str, top: int = 8) -> dict:
     busy += cur_e - cur_s
     span = spans[-1][1] - spans[0][0]
     gaps.sort(reverse=True)
+    by_name: dict[str, float] = {}
+    for s, e, n in spans:  # device time per kernel name (stream overlap counted in each)
+        by_name[n[:80]] = by_name.get(n[:80], 0.0) + e - s
     return dict(
         trace=path,
         device_events=len(spans),
@@ -219,6 +222,7 @@ def device_timeline(trace_dir: str, top: int = 8) -> dict:
         gaps=len(gaps),
         gap_ms_total=sum(g for g, _, _ in gaps) / 1e3,
         largest_gaps=[dict(ms=round(g / 1e3, 3), after=b[:80], before=n[:80]) for g, b, n in gaps[:top]],
+        top_kernels=[dict(name=n, ms=round(t / 1e3, 3)) for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:top]],
     )
 
 

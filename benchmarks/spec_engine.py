@@ -97,6 +97,27 @@ def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int) -> dict:
     return row
 
 
+def _traced(llm: LLM, spec, domains: dict, args, method: str) -> dict:
+    """One domain's requests again under the profiler: wall time, passes and the GPU's busy time
+    (benchmarks/engine_core.py device_timeline), so a pass's cost splits into device work and host gaps."""
+    import jax
+
+    from benchmarks.engine_core import device_timeline
+
+    domain = next(iter(domains))
+    trace_dir = f"{args.trace_dir}/{method}"
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    t0 = time.perf_counter()
+    row = _run(llm, spec, domains[domain], args.max_tokens)
+    wall = time.perf_counter() - t0
+    jax.profiler.stop_trace()
+    row.pop("outputs")
+    timeline = device_timeline(trace_dir)
+    passes = row.get("passes") or 0
+    return dict(domain=domain, wall_s=round(wall, 4), passes=passes, wall_ms_per_pass=round(1e3 * wall / passes, 3)
+                if passes else None, decode_tokens=row["decode_tokens"]) | timeline  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="target checkpoint (default: SmolLM2-135M-Instruct)")
@@ -112,6 +133,9 @@ def main():
     ap.add_argument("--medusa_heads", default=None, help="heads checkpoint dir (python -m serving.train_heads)")
     ap.add_argument("--methods", default="off,ngram,self,draft", help="also: medusa (needs --medusa_heads)")
     ap.add_argument("--out", default="benchmarks/results/spec_engine_cpu.json")
+    ap.add_argument(
+        "--trace_dir", default="", help="also profile each method's code requests once: GPU busy vs wall per pass"
+    )
     args = ap.parse_args()
 
     options = dict(
@@ -147,6 +171,9 @@ def main():
         print(
             m, {d: (r["tokens_per_s"], r.get("acceptance_rate")) for d, r in result["methods"][m].items()}, flush=True
         )
+        if args.trace_dir:  # where a pass's time goes: the device timeline's busy share of the traced window
+            result.setdefault("traces", {})[m] = _traced(llm, decoders[m], domains, args, m)
+            print(m, "trace", json.dumps(result["traces"][m])[:600], flush=True)
     base = result["methods"].get("off")
     for per in result["methods"].values():
         for d, r in per.items():
