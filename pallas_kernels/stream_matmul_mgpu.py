@@ -1,0 +1,408 @@
+"""Weight-streaming matmul for small M (decode) on Hopper, through Pallas Mosaic GPU (TMA ring + wgmma, swap AB).
+
+    x [M, K] @ w [K, N]  ==  (W^T [N, K] @ x^T [K, M])^T       M <= 256 rows, weight bf16 | int8 | fp8 e4m3 | int4
+
+"Swap AB": the weight is wgmma's A operand (64 rows of N per compute warpgroup, loaded from SMEM into registers and
+converted to bf16 there) and the few activation rows are B's narrow N dimension (M padded to Mp, a multiple of 8:
+wgmma N runs 8..256 in steps of 8). A decode GEMV then uses the tensor cores at Mp/64 of the usual tile instead of
+padding M to 64.
+
+Stored layout (`prepare`, once at quantisation / load time, never per call): `StreamWeight`
+    wt      [Np, Kp]  the weight transposed (K contiguous), N padded to 128 and K to K_ALIGN with zeros:
+                      bf16 / f16 | int8 | float8_e4m3fn | int4 (jnp.int4, signed codes c - 8, packed by XLA along K)
+    scales  int8 / fp8: f32 [N] (a per-tensor fp8 scale is broadcast);  int4: f32 [Kp/g, Np] group scales
+    zshift  int4 asymmetric: f32 [Kp/g, Np] = zero_point - 8 (None: symmetric), so w = (c' - zshift) * scale
+
+Grid (Np / 128, S): CTA (i, s) owns rows [128 i, 128 i + 128) of out^T and K steps [s * T, (s + 1) * T) of tile_k:
+    wg 2     (memory):  TMA ring of `max_concurrent_steps` slots: per step the weight tile [128, tile_k] and
+             x [Mp, tile_k] (int4: one weight / x block per group of g columns, and the step's scales [tile_k/g, 128])
+    wg 0, 1  (compute): a = wt tile rows [64 wg, 64 wg + 64) -> registers -> bf16;  acc [64, Mp] += a @ x_tile^T
+             int4: per group j, a_j = (bf16(c') - zshift[j]) * scale[j] in f32, rounded once to bf16, then wgmma:
+                   the same numbers as dequantising the weight to bf16 first (one rounding per weight element).
+    epilogue: acc -> SMEM -> partials [S * Np, Mp] f32 (TMA store).
+After the kernel, one XLA fusion: sum the S partials, multiply by the int8 / fp8 per-channel scale (exact, f32),
+transpose to [M, N] and cast. f32 partials cost S * N * Mp * 4 bytes against the weight's K * N bytes or more.
+
+Interpreter (CPU tests, `interpret=plgpu.InterpretGPUParams()`): runs the same kernel (ring, barriers, stores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels.quantized_matmul import FORMATS, reference  # noqa: F401  (reference: the shared oracle)
+
+COMPUTE_WGS = 2
+WG_ROWS = 64  # rows of N per compute warpgroup: wgmma's fixed M
+CTA_ROWS = COMPUTE_WGS * WG_ROWS
+K_ALIGN = 256  # K padding of the stored weight: every tile_k (64, 128, 256; int4 up to 512 via groups) divides it
+MAX_ROWS = 256  # wgmma N limit: rows of x per call
+MEMORY_REGISTERS = 40
+SMEM_BYTES = 227 * 1024
+KERNEL_NAME = "stream_matmul_mgpu"
+_CODE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """Tiles of the streaming kernel (a static argument).
+
+    Attributes:
+        tile_k: K columns per pipeline step (64, 128 or 256; int4 at least one group and a multiple of it).
+        max_concurrent_steps: SMEM ring depth (bytes in flight per SM = depth * 128 * tile_k * weight bytes).
+        num_splits: K splits across CTAs (f32 partials summed after); 0 picks enough CTAs for ~2 per SM.
+        a_via_smem: int8 / fp8 / int4 hand the converted A tile to wgmma through SMEM instead of registers (what
+            the interpreter always does; on the GPU a fallback and a point of the sweep).
+    """
+
+    tile_k: int = 128
+    max_concurrent_steps: int = 4
+    num_splits: int = 0
+    a_via_smem: bool = False
+
+    def __post_init__(self):
+        if self.tile_k not in (64, 128, 256, 512):
+            raise ValueError(f"StreamConfig.tile_k must be 64, 128, 256 or 512, got {self.tile_k}")
+        if self.max_concurrent_steps < 2:
+            raise ValueError(f"StreamConfig.max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+        if self.num_splits < 0:
+            raise ValueError(f"StreamConfig.num_splits must be >= 0 (0 = auto), got {self.num_splits}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamWeight:
+    """A weight [K, N] in this kernel's layout (see the module docstring); built once by `prepare`."""
+
+    wt: jax.Array
+    scales: jax.Array | None = None
+    zshift: jax.Array | None = None
+    fmt: str = dataclasses.field(default="bf16", metadata=dict(static=True))
+    group_size: int = dataclasses.field(default=0, metadata=dict(static=True))
+    k: int = dataclasses.field(default=0, metadata=dict(static=True))
+    n: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.k, self.n
+
+
+def _pad2(a, rows, cols):
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
+
+
+def prepare(values, scales=None, zeros=None, *, fmt="bf16", group_size=0) -> StreamWeight:
+    """The stored weight of pallas_kernels/quantized_matmul.py (model/quant.py layouts) -> this kernel's layout.
+
+    Args:
+        values: bf16/f16 [K, N], int8 [K, N], float8_e4m3fn [K, N] or uint8 [K/2, N] (int4: row 2i low nibble).
+        scales: int8 / fp8 f32 [N] or []; int4 [K/g, N]; None for bf16.
+        zeros: int4 [K/g, N] integer zero points or None (symmetric, zero 8).
+        fmt, group_size: as in quantized_matmul.
+
+    Raises:
+        ValueError: an unknown format, a bad group size or shapes that do not fit (quantized_matmul's checks).
+    """
+    from pallas_kernels.quantized_matmul import _validate
+
+    k = 2 * values.shape[0] if fmt == "int4" else values.shape[0]
+    _validate(jnp.zeros((1, k), jnp.bfloat16), values, scales, zeros, fmt, group_size)
+    n = values.shape[1]
+    np_, kp = -(-n // CTA_ROWS) * CTA_ROWS, -(-k // K_ALIGN) * K_ALIGN
+    if fmt == "int4":
+        codes = jnp.stack([values & 0xF, values >> 4], axis=1).reshape(k, n).astype(jnp.int8) - 8  # [K, N]
+        wt = _pad2(codes.T, np_, kp).astype(jnp.int4)  # padded K columns are code 8 (zero) with scale 0
+        groups = kp // group_size
+        s = _pad2(scales.astype(jnp.float32), groups, np_)
+        z = None if zeros is None else _pad2(zeros.astype(jnp.float32) - 8.0, groups, np_)
+        return StreamWeight(wt, s, z, fmt, group_size, k, n)
+    wt = _pad2(values.T, np_, kp)
+    s = None if fmt == "bf16" else jnp.broadcast_to(scales.astype(jnp.float32), (n,))
+    return StreamWeight(wt, s, None, fmt, 0, k, n)
+
+
+@functools.cache
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    mp: int  # x rows padded to a multiple of 8 (wgmma N)
+    tk: int  # K columns per step
+    kb: int  # K columns per block (tk, or int4: one group, two when g = 32)
+    steps: int  # steps per split
+    splits: int
+    n_blocks: int  # CTAs along N
+
+
+def plan(m: int, w: StreamWeight, config: StreamConfig, num_sms: int) -> _Plan:
+    np_, kp = w.wt.shape
+    mp = max(8, -(-m // 8) * 8)
+    tk = config.tile_k
+    if w.fmt == "int4":
+        tk = max(tk, w.group_size)
+        if tk % w.group_size:
+            raise ValueError(f"StreamConfig.tile_k={tk} must be a multiple of the int4 group size {w.group_size}")
+    if kp % tk:
+        raise ValueError(f"StreamConfig.tile_k={tk} does not divide the stored K={kp}")
+    total = kp // tk
+    n_blocks = np_ // CTA_ROWS
+    splits = config.num_splits or max(1, math.ceil(2 * num_sms / n_blocks))
+    splits = max(d for d in range(1, total + 1) if total % d == 0 and d <= splits)  # equal static step counts
+    kb = max(w.group_size, 64) if w.fmt == "int4" else tk  # int4 blocks of 32 columns would be 16-byte rows
+    return _Plan(mp, tk, kb, total // splits, splits, n_blocks)
+
+
+# Layer 1: the kernel -----------------------------------------------------------------------------------------------
+
+
+def _swizzled(block_cols: int, dtype):
+    """Tiling + swizzle transforms for an SMEM block whose rows hold `block_cols` elements of `dtype`."""
+    bits = jnp.dtype(dtype).itemsize * 8 if dtype != jnp.int4 else 4
+    swizzle = plgpu.find_swizzle(block_cols * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size):
+    """Codes [64, kb] in SMEM -> the dequantised A tile [64, kb] in registers (compute dtype).
+
+    int8 / e4m3 convert to bf16 exactly (their per-channel scale is applied to out^T after the kernel); int4 block j
+    of the step: (c' - zshift) * scale in f32, rounded once to bf16, as dequantising the weight to bf16 would. A
+    64-column block holds two groups when g = 32: each column picks its group's row value.
+    """
+    a = w_rows[...]
+    if fmt == "fp8" and compute_dtype == jnp.bfloat16:  # Hopper converts e4m3 to f16 only; both steps are exact
+        a = a.astype(jnp.float16)
+    a = a.astype(compute_dtype)
+    if fmt != "int4":
+        return a
+    kb = a.shape[1]
+    per_block = kb // group_size
+    rows = pl.ds(WG_ROWS * wg, WG_ROWS)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row of the wgmma tile
+    group_of_col = None
+    if per_block > 1:
+        group_of_col = plgpu.broadcasted_iota(jnp.int32, a.shape, 1, layout=plgpu.Layout.WGMMA) // group_size
+
+    def per_group(ref):  # [r * per_block, 128] f32 in SMEM -> [64, kb] f32, the value of each element's group
+        tile = None
+        for q in range(per_block):
+            v = lax.broadcast_in_dim(plgpu.load(ref.at[j * per_block + q, rows], layout=row_layout), a.shape, [0])
+            tile = v if tile is None else jnp.where(group_of_col == q, v, tile)
+        return tile
+
+    a32 = a.astype(jnp.float32)
+    if has_zeros:
+        a32 = a32 - per_group(gs[1])
+    return (a32 * per_group(gs[0])).astype(compute_dtype)
+
+
+def _kernel(*refs, p: _Plan, depth, fmt, group_size, has_zeros, compute_dtype, a_via_smem):
+    # x_gmem:  [Mp, Kp] compute dtype (rows >= M are zero)
+    # w_gmem:  [Np, Kp] codes (module docstring)
+    # s_gmem:  int4 [Kp/g, Np] f32 group scales;  z_gmem: int4 asymmetric [Kp/g, Np] f32 zero shifts
+    # out_gmem: [S * Np, Mp] f32 partials of out^T
+    x_gmem, w_gmem = refs[:2]
+    out_gmem = refs[-1]
+    ni, si = lax.axis_index("n"), lax.axis_index("s")
+    np_ = w_gmem.shape[0]
+    r = p.tk // p.kb  # blocks per step along K
+    g = group_size
+    first = si * p.steps
+
+    def block_spec(shape, dtype, j):  # block j of the step along K (x and the weight)
+        row_block = 0 if shape[0] == p.mp else ni
+        return plgpu.BlockSpec(shape, lambda kk: (row_block, (first + kk) * r + j), transforms=_swizzled(p.kb, dtype))
+
+    specs = [block_spec((p.mp, p.kb), compute_dtype, j) for j in range(r)]
+    specs += [block_spec((CTA_ROWS, p.kb), w_gmem.dtype, j) for j in range(r)]
+    gmem_in = [x_gmem] * r + [w_gmem] * r
+    if fmt == "int4":  # the step's group scales (and zero shifts): [r, 128] f32
+        groups = p.tk // group_size  # [groups, 128] f32 per step
+        specs += [plgpu.BlockSpec((groups, CTA_ROWS), lambda kk: (first + kk, ni))] * (1 + has_zeros)
+        gmem_in += list(refs[2 : 3 + has_zeros])
+
+    staged = a_via_smem and fmt != "bf16"
+    scoped = dict(out_smem=plgpu.SMEM((COMPUTE_WGS, WG_ROWS, p.mp), jnp.float32))  # [wg, 64, Mp], unswizzled
+    if staged:  # [wg, 64, kb] bf16, swizzled like x's block (wgmma wants equal A and B swizzles)
+        scoped["a_staging"] = plgpu.SMEM(
+            (COMPUTE_WGS, WG_ROWS, p.kb), compute_dtype, transforms=_swizzled(p.kb, compute_dtype)
+        )
+
+    @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
+    def _scope(out_smem, a_staging=None):
+        wg = lax.axis_index("wg")
+
+        def mma_body(_, *args):
+            # args: x blocks [Mp, kb] * r, weight blocks [128, kb] * r, (int4) scales [tk/g, 128] (+ zshift), acc
+            *smem, acc_ref = args
+            xs, ws, gs = smem[:r], smem[r : 2 * r], smem[2 * r :]
+            for j in range(r):
+                b = xs[j].transpose((1, 0))  # [kb, Mp]
+                w_rows = ws[j].at[pl.ds(wg * WG_ROWS, WG_ROWS)]  # [64, kb] codes in SMEM
+                if fmt == "bf16":  # already wgmma's dtype: A straight from the TMA slot
+                    plgpu.wgmma(acc_ref, w_rows, b)
+                elif a_staging is None:
+                    plgpu.wgmma(acc_ref, _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, g), b)
+                else:  # via SMEM: the interpreter's wgmma reads refs only (and a fallback for the compiled kernel)
+                    a_staging[wg] = _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, g)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, a_staging.at[wg], b)
+                plgpu.wgmma_wait(0)  # A's registers / staging buffer are reused by the next block
+            return acc_ref
+
+        def compute_context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_ROWS, p.mp), jnp.float32))
+            def _acc_scope(acc_ref):
+                eval_pipeline(acc_ref)
+                out_smem[wg] = acc_ref[...]
+                plgpu.commit_smem()
+                row = si * np_ + ni * CTA_ROWS + wg * WG_ROWS
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row, WG_ROWS)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        plgpu.emit_pipeline_warp_specialized(
+            mma_body,
+            grid=(p.steps,),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=specs,
+            wg_axis="wg",
+            num_compute_wgs=COMPUTE_WGS,
+            max_concurrent_steps=depth,  # clamped to the step count by the pipeline
+            compute_context=compute_context,
+        )(*gmem_in)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# Layer 2: the kernel call and the XLA epilogue ---------------------------------------------------------------------
+
+
+def _stream_call(x2, w: StreamWeight, config: StreamConfig, interpret, num_sms: int):
+    """x2 [M, K] -> [M, N] in x2's dtype."""
+    m = x2.shape[0]
+    np_, kp = w.wt.shape
+    p = plan(m, w, config, num_sms)
+    xp = _pad2(x2, p.mp, kp)  # [Mp, Kp]: zero rows / columns add nothing
+    inputs = [xp, w.wt] + ([w.scales] if w.fmt == "int4" else []) + ([w.zshift] if w.zshift is not None else [])
+    kernel = functools.partial(
+        _kernel,
+        p=p,
+        depth=config.max_concurrent_steps,
+        fmt=w.fmt,
+        group_size=w.group_size,
+        has_zeros=w.zshift is not None,
+        compute_dtype=x2.dtype,
+        a_via_smem=config.a_via_smem or interpret is not None,
+    )
+    partials = plgpu.kernel(
+        kernel,
+        out_type=backend_lib.out_struct((p.splits * np_, p.mp), jnp.float32, inputs),
+        grid=(p.n_blocks, p.splits),
+        grid_names=("n", "s"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )(*inputs)
+    out_t = partials.reshape(p.splits, np_, p.mp).sum(axis=0)[: w.n, :m]  # [N, M] f32
+    if w.fmt in ("int8", "fp8"):
+        out_t = out_t * w.scales[:, None]
+    return out_t.T.astype(x2.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "num_sms"))
+def _stream_jit(x, w, *, config, interpret, num_sms):
+    out = _stream_call(x.reshape(-1, x.shape[-1]), w, config, interpret, num_sms)
+    return out.reshape(*x.shape[:-1], w.n)
+
+
+# Layer 3: the validated entry point --------------------------------------------------------------------------------
+
+
+def smem_bytes(m: int, w: StreamWeight, config: StreamConfig) -> int:
+    """SMEM of one CTA: the ring (x, weight and int4 scale blocks per slot) and the f32 epilogue buffer."""
+    p = plan(m, w, config, 1)
+    bits = 4 if w.fmt == "int4" else jnp.dtype(w.wt.dtype).itemsize * 8
+    per_step = p.mp * p.tk * 2 + CTA_ROWS * p.tk * bits // 8
+    if w.fmt == "int4":
+        per_step += (1 + (w.zshift is not None)) * (p.tk // w.group_size) * CTA_ROWS * 4
+    return min(config.max_concurrent_steps, p.steps) * per_step + COMPUTE_WGS * WG_ROWS * p.mp * 4
+
+
+def _validate(x, w: StreamWeight, config: StreamConfig):
+    if not isinstance(w, StreamWeight):
+        raise ValueError(f"stream_matmul: w must be a StreamWeight (see prepare()), got {type(w).__name__}")
+    if w.fmt not in FORMATS:
+        raise ValueError(f"stream_matmul: unknown fmt {w.fmt!r}; expected one of {FORMATS}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"stream_matmul: x must be bfloat16 or float16, got {x.dtype}")
+    if w.fmt == "bf16" and w.wt.dtype != x.dtype:
+        raise ValueError(f"stream_matmul: a plain weight must have x's dtype {x.dtype}, got {w.wt.dtype}")
+    if w.fmt != "bf16" and w.wt.dtype != _CODE_DTYPES[w.fmt]:
+        raise ValueError(f"stream_matmul: fmt {w.fmt!r} stores {jnp.dtype(_CODE_DTYPES[w.fmt])}, got {w.wt.dtype}")
+    if x.ndim < 1 or x.shape[-1] != w.k:
+        raise ValueError(f"stream_matmul: x's last axis {x.shape[-1:]} != the weight's K {w.k}")
+    rows = math.prod(x.shape[:-1])
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"stream_matmul: takes 1..{MAX_ROWS} rows of x (wgmma N <= 256), got {rows}")
+    need = smem_bytes(rows, w, config)
+    if need > SMEM_BYTES:
+        raise ValueError(f"stream_matmul: {config} needs {need} bytes of SMEM > {SMEM_BYTES}; lower the ring depth")
+
+
+def stream_matmul(x: jax.Array, w: StreamWeight, *, config: StreamConfig | None = None, backend: str | None = None):
+    """x [..., K] @ w [K, N] -> [..., N] in x's dtype (f32 accumulation), w from `prepare`.
+
+    Args:
+        x: [..., K] bfloat16 or float16, at most MAX_ROWS rows in all.
+        w: a StreamWeight.
+        config: tiles (StreamConfig()).
+        backend: None or "mosaic_gpu" (the Hopper kernel), "interpret" (the Mosaic GPU interpreter, CPU tests) or
+            "xla" (`reference` on the dequantised weight).
+
+    Raises:
+        ValueError: shapes, dtypes, tiles or the backend do not fit.
+    """
+    if backend == "triton":
+        raise ValueError("stream_matmul: backend 'triton' is pallas_kernels/quantized_matmul.py; use 'mosaic_gpu'")
+    backend = backend_lib.resolve_backend(backend or "mosaic_gpu", KERNEL_NAME)
+    config = config or StreamConfig()
+    if backend == "xla":
+        return stream_reference(x, w)
+    _validate(x, w, config)
+    interpret = plgpu.InterpretGPUParams() if backend == "interpret" else None
+    num_sms = 4 if interpret is not None else _num_sms()
+    return _stream_jit(x, w, config=config, interpret=interpret, num_sms=num_sms)
+
+
+# Layer 4: the reference --------------------------------------------------------------------------------------------
+
+
+def dequantize(w: StreamWeight) -> jax.Array:
+    """The logical weight [K, N] in float32 from the stored layout (plain jnp)."""
+    wt = w.wt.astype(jnp.float32)  # [Np, Kp]
+    if w.fmt == "int4":
+        g = w.group_size
+        z = 0.0 if w.zshift is None else jnp.repeat(w.zshift.T, g, axis=1)
+        wt = (wt - z) * jnp.repeat(w.scales.T, g, axis=1)
+    wt = wt[: w.n, : w.k]
+    if w.fmt in ("int8", "fp8"):
+        wt = wt * w.scales[:, None]
+    return wt.T
+
+
+def stream_reference(x: jax.Array, w: StreamWeight, **_) -> jax.Array:
+    """Plain jnp with stream_matmul's signature: dequantise to f32, dot at HIGHEST, cast to x's dtype."""
+    out = jnp.einsum("...k,kn->...n", x.astype(jnp.float32), dequantize(w), precision=lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
