@@ -125,7 +125,7 @@ def _kernel(num_tiles_gmem, meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, cfg: Gro
     tm, tn = cfg.tile_m, cfg.tile_n
     cta_n = COMPUTE_WGS * tn
     grid_n = n // cta_n
-    pipeline = functools.partial(_k_pipeline, cfg, lhs_gmem.shape[1], lhs_gmem.dtype)
+    pipeline = functools.partial(k_pipeline, cfg, lhs_gmem.shape[1], lhs_gmem.dtype)
 
     def ignore(*_, **__):
         return None
@@ -149,7 +149,7 @@ def _kernel(num_tiles_gmem, meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, cfg: Gro
             mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 0 if cfg.grid_minor_m else 1, cfg.grid_tile_width)
             block, group, lo, size = (meta_gmem[f, mi] for f in range(4))
             wg_col = ni * cta_n + wg * tn
-            store = functools.partial(_store_rows, out_smem.at[wg], out_gmem, cfg, block * tm, lo, size, wg_col)
+            store = functools.partial(store_rows, out_smem.at[wg], out_gmem, cfg, block * tm, lo, size, wg_col)
 
             def compute_context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
@@ -176,17 +176,22 @@ def _kernel(num_tiles_gmem, meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, cfg: Gro
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _k_pipeline(cfg, k, dtype, body, compute_context, block, col_block):
-    """The warp-specialised K loop of one work item: A = lhs rows of `block`, B = columns `col_block` of rhs[g]."""
+def k_pipeline(cfg, k, dtype, body, compute_context, block, col_block, *, b_k_major: bool = False):
+    """The warp-specialised K loop of one work item: A = lhs rows of `block`, B = columns `col_block` of rhs[g].
+
+    `b_k_major`: B arrives as [N, K] (K contiguous) and its ring slots are [2 * tile_n, tile_k]; 8-bit wgmma
+    (fp8, int8) takes only K-major operands (pallas_kernels/w8a8_matmul.py, which shares this builder).
+    """
     swizzle = plgpu.find_swizzle(cfg.tile_k * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
     transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
     a_spec = plgpu.BlockSpec(
         (cfg.tile_m, cfg.tile_k), lambda kk: (block, kk), transforms=transforms, delay_release=cfg.delay_release
     )
+    b_block = (cfg.tile_k, COMPUTE_WGS * cfg.tile_n)
     b_spec = plgpu.BlockSpec(
-        (cfg.tile_k, COMPUTE_WGS * cfg.tile_n),
-        lambda kk: (kk, col_block),
+        b_block[::-1] if b_k_major else b_block,
+        (lambda kk: (col_block, kk)) if b_k_major else (lambda kk: (kk, col_block)),
         transforms=transforms,
         delay_release=cfg.delay_release,
     )
@@ -202,7 +207,7 @@ def _k_pipeline(cfg, k, dtype, body, compute_context, block, col_block):
     )
 
 
-def _store_rows(out_smem, out_gmem, cfg, row0, lo, size, col0, tile):
+def store_rows(out_smem, out_gmem, cfg, row0, lo, size, col0, tile):
     """Writes rows [lo, lo + size) of `tile` [tile_m, tile_n] (registers) to out_gmem[row0 + lo:, col0:]."""
     # out_smem: [tile_m, epi_n] this warpgroup's staging buffer; tile: [tile_m, tile_n] in registers
     for c in range(cfg.tile_n // cfg.epi_n):
@@ -279,7 +284,8 @@ def _grouped_matmul_call(lhs, rhs, group_sizes, cfg: GroupedMatmulConfig, interp
 # Layer 3: the validated, jitted entry point ------------------------------------------------------------------------
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
+    """SMs of the default device: the persistent grid's size (shared with w8a8_matmul)."""
     return int(getattr(jax.devices()[0], "core_count", 132) or 132)
 
 
@@ -346,10 +352,8 @@ def grouped_matmul(
     if lhs.shape[0] == 0:
         return jnp.zeros((0, rhs.shape[-1]), lhs.dtype)
     interpret = plgpu.InterpretGPUParams() if backend == "interpret" else None
-    num_sms = INTERPRET_SMS if interpret is not None else _num_sms()
-    return _grouped_matmul_jit(
-        lhs, rhs, group_sizes.astype(jnp.int32), config=cfg, interpret=interpret, num_sms=num_sms
-    )
+    sms = INTERPRET_SMS if interpret is not None else num_sms()
+    return _grouped_matmul_jit(lhs, rhs, group_sizes.astype(jnp.int32), config=cfg, interpret=interpret, num_sms=sms)
 
 
 # Layer 4: the reference --------------------------------------------------------------------------------------------

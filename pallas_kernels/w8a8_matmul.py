@@ -1,0 +1,320 @@
+"""W8A8 prefill matmul on Hopper through Pallas Mosaic GPU: 8-bit x 8-bit wgmma with the scales in the epilogue.
+
+    out [M, N] = (xq [M, K] @ wq [K, N]) * x_scale [M, 1] * w_scale [1, N]        (out in bf16 / f16)
+
+Two formats, one kernel:
+    fp8   xq, wq float8_e4m3fn; wgmma e4m3 x e4m3 with f32 accumulation
+    int8  xq, wq int8 (SmoothQuant W8A8);  wgmma s8 x s8 with s32 accumulation (exact), cast to f32 in the epilogue
+
+x_scale is per token (dynamic, `quantize_activations`: max|x_row| / 448 for e4m3, / 127 for int8) or one static
+per-tensor scale broadcast to every row; w_scale is per output channel [N] or per tensor []. The scales never enter
+the K loop: they multiply the accumulator once, in registers, before the bf16 store.
+
+Layout. 8-bit wgmma reads both operands K-major from shared memory (PTX has no transposed 8-bit form), so the
+kernel takes the weight as wq_nk [N, K]; `w8a8_matmul(..., wq_layout="kn")` transposes a [K, N] weight first
+(one extra pass over the weight, K * N bytes), "nk" takes a pre-transposed one as is. The K tile is in bytes:
+tile_k = 128 gives the 128-byte swizzle.
+
+Structure (shared with pallas_kernels/grouped_matmul.py, whose pipeline builder and ladder stores it reuses):
+one CTA per SM walks the (row block, column block) tiles of the output; per tile
+
+    wg 0, 1  (compute): acc [tile_m, tile_n] += xq [tile_m, tile_k] @ wq_nk[cols, tile_k]^T over K (wgmma),
+             the two warpgroups on the two tile_n halves of the CTA's 2 * tile_n columns; then
+             out = acc * x_scale[rows, None] * w_scale[None, cols] -> bf16 -> SMEM -> GMEM (TMA).
+    wg 2     (memory): TMA-loads xq and wq_nk tiles into a ring of `max_concurrent_steps` SMEM slots.
+
+M needs no padding to the tile: the last row block's loads read past M (TMA fills zeros) and its stores write
+only the valid rows (grouped_matmul.store_rows: one TMA box per set bit of the row count). N must be a multiple of
+2 * tile_n and K of tile_k (ValueError otherwise): the Llama-3-8B layer shapes are.
+
+Interpreter (CPU tests, backend="interpret"): jax 0.11.2's Mosaic GPU interpreter runs the kernel unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels import grouped_matmul as gm
+
+COMPUTE_WGS = gm.COMPUTE_WGS
+ROW_ALIGN = gm.ROW_ALIGN  # TMA loads of swizzled xq tiles need M % 8 == 0
+INTERPRET_SMS = 3
+ACT_MAX = {"fp8": 448.0, "int8": 127.0}
+DTYPES = {"fp8": jnp.dtype(jnp.float8_e4m3fn), "int8": jnp.dtype(jnp.int8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A8Config:
+    """Tiles of the W8A8 matmul: a CTA computes [tile_m, 2 * tile_n] of the output per work item.
+
+    Attributes:
+        tile_m: rows per tile (64 or 128).
+        tile_n: columns per compute warpgroup (multiple of 64, at most 256: one wgmma's N).
+        tile_k: K depth of one pipeline step in elements = bytes (multiple of 64; 128 gives the 128-byte swizzle).
+        max_concurrent_steps: SMEM ring depth of the memory warpgroup.
+        epi_n: columns per epilogue chunk (multiple of 64 dividing tile_n).
+        delay_release: 1 keeps one wgmma in flight across steps (a slot is released one step later).
+        grid_minor_m: the persistent loop walks M fastest (True) or N fastest, in strips of `grid_tile_width`.
+        grid_tile_width: strip width of that walk (L2 reuse of xq and wq between CTAs running together).
+
+    The defaults are the structure of grouped_matmul's measured best with the K tile doubled to 128 bytes; they
+    are not yet tuned on a GPU for 8-bit (benchmarks/w8a8_matmul.py sweeps them).
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    max_concurrent_steps: int = 4
+    epi_n: int = 64
+    delay_release: int = 1
+    grid_minor_m: bool = True
+    grid_tile_width: int = 8
+
+    def __post_init__(self):
+        if self.tile_m not in (64, 128):
+            raise ValueError(f"W8A8Config.tile_m must be 64 or 128, got {self.tile_m}")
+        if self.tile_n % 64 or not 0 < self.tile_n <= 256 or self.tile_k % 64 or self.tile_k <= 0:
+            raise ValueError(f"W8A8Config.tile_n (<= 256) and tile_k must be positive multiples of 64, got {self}")
+        if self.epi_n % 64 or self.tile_n % self.epi_n:
+            raise ValueError(f"W8A8Config.epi_n must be a multiple of 64 dividing tile_n, got {self}")
+        if self.delay_release not in (0, 1):
+            raise ValueError(f"W8A8Config.delay_release must be 0 or 1, got {self.delay_release}")
+        if self.max_concurrent_steps <= self.delay_release or self.max_concurrent_steps < 2:
+            raise ValueError(f"W8A8Config.max_concurrent_steps must be >= 2 and > delay_release, got {self}")
+        if self.grid_tile_width < 1:
+            raise ValueError(f"W8A8Config.grid_tile_width must be >= 1, got {self.grid_tile_width}")
+        if self.smem_bytes() > gm.SMEM_BYTES:
+            raise ValueError(f"W8A8Config {self} needs {self.smem_bytes()} bytes of SMEM > {gm.SMEM_BYTES}")
+
+    def smem_bytes(self, out_itemsize: int = 2) -> int:
+        ring = self.max_concurrent_steps * (self.tile_m + COMPUTE_WGS * self.tile_n) * self.tile_k  # 1 byte each
+        return ring + out_itemsize * COMPUTE_WGS * self.tile_m * self.epi_n
+
+    @classmethod
+    def for_shape(cls, n: int) -> W8A8Config:
+        """The default tiles for an output width n: the widest tile_n (128 or 64) with n % (2 * tile_n) == 0."""
+        return cls() if n % (COMPUTE_WGS * 128) == 0 else cls(tile_n=64)
+
+
+def supports(fmt: str, k: int, n: int) -> bool:
+    """Whether the kernel takes an [M, k] @ [k, n] W8A8 matmul of format `fmt` with its default tiles."""
+    cfg = W8A8Config.for_shape(n)
+    return fmt in DTYPES and k % cfg.tile_k == 0 and n % (COMPUTE_WGS * cfg.tile_n) == 0
+
+
+def quantize_activations(x: jax.Array, fmt: str, act_scale: jax.Array | None = None):
+    """x [..., K] -> (xq [..., K] in the 8-bit dtype, x_scale [..., 1] float32) with x ~= xq * x_scale.
+
+    Per token (each row's own max|x| / ACT_MAX; an all-zero row gets scale 1) unless a static per-tensor
+    `act_scale` [] is given. int8 rounds to nearest and clips to +-127; fp8 clips to +-448 and rounds to e4m3.
+    """
+    if fmt not in DTYPES:
+        raise ValueError(f"quantize_activations: fmt must be one of {tuple(DTYPES)}, got {fmt!r}")
+    x32 = x.astype(jnp.float32)
+    if act_scale is None:
+        amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+        scale = jnp.where(amax > 0, amax / ACT_MAX[fmt], 1.0)
+    else:
+        scale = jnp.broadcast_to(jnp.asarray(act_scale, jnp.float32), (*x.shape[:-1], 1))
+    if fmt == "int8":
+        q = jnp.clip(jnp.round(x32 / scale), -127, 127).astype(jnp.int8)
+    else:
+        q = jnp.clip(x32 / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+# Layer 1: the kernel -----------------------------------------------------------------------------------------------
+
+
+def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
+    # xq_gmem: [M8, K] e4m3 / int8, M8 = M rounded up to 8
+    # wq_gmem: [N, K] same dtype, K-major
+    # xs_gmem: [grid_m * tile_m] f32 per-row scale (padded with ones past M)
+    # ws_gmem: [N] f32 per-column scale
+    # out_gmem: [M, N] bf16 / f16
+    m, n = out_gmem.shape
+    tm, tn = cfg.tile_m, cfg.tile_n
+    cta_n = COMPUTE_WGS * tn
+    grid_m, grid_n = pl.cdiv(m, tm), n // cta_n
+    acc_dtype = jnp.int32 if xq_gmem.dtype == jnp.int8 else jnp.float32
+    pipeline = functools.partial(gm.k_pipeline, cfg, xq_gmem.shape[1], xq_gmem.dtype, b_k_major=True)
+
+    def ignore(*_, **__):
+        return None
+
+    zero = jnp.int32(0)
+    allocs = pipeline(ignore, ignore, zero, zero).get_allocations(xq_gmem, wq_gmem)
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=allocs,
+        out_smem=plgpu.SMEM((COMPUTE_WGS, tm, cfg.epi_n), out_gmem.dtype),  # [wg, tile_m, epi_n], unswizzled
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        def _work_item(loop_info: plgpu.NDLoopInfo):
+            (lin,) = loop_info.index
+            mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 0 if cfg.grid_minor_m else 1, cfg.grid_tile_width)
+            col = ni * cta_n + wg * tn
+            rows = jnp.minimum(m - mi * tm, tm)
+
+            def compute_context(eval_pipeline):
+                # Scales are read before the K loop so their latency hides behind it: [tile_m] per row, [tile_n]
+                # per column, in the layouts that broadcast onto the wgmma accumulator.
+                # (GMEM loads into a register layout have no vectorised form in Mosaic GPU: optimized=False.)
+                row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+                xs = plgpu.load(xs_gmem.at[pl.ds(mi * tm, tm)], layout=row_layout, optimized=False)
+                ws = plgpu.load(ws_gmem.at[pl.ds(col, tn)], layout=col_layout, optimized=False)
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), acc_dtype))
+                def _acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    acc = acc_ref[...].astype(jnp.float32)  # int32 -> f32 rounds to 24 bits, far finer than bf16
+                    acc = acc * lax.broadcast_in_dim(xs, (tm, tn), [0]) * lax.broadcast_in_dim(ws, (tm, tn), [1])
+                    gm.store_rows(out_smem.at[wg], out_gmem, cfg, mi * tm, 0, rows, col, acc.astype(out_gmem.dtype))
+
+            def mma_body(_, a_smem, b_smem, acc_ref):
+                # a_smem: [tile_m, tile_k]; b_smem: [2 * tile_n, tile_k] K-major, this warpgroup's half of its rows.
+                plgpu.wgmma(acc_ref, a_smem, b_smem.at[pl.ds(wg * tn, tn)].transpose((1, 0)))
+                plgpu.wgmma_wait(cfg.delay_release)
+                return acc_ref
+
+            pipeline(mma_body, compute_context, mi, ni)(xq_gmem, wq_gmem, allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# Layer 2: the pallas_call builder ----------------------------------------------------------------------------------
+
+
+def _w8a8_call(xq, wq_nk, x_scale, w_scale, cfg: W8A8Config, out_dtype, interpret, num_sms: int):
+    m, n = xq.shape[0], wq_nk.shape[0]
+    rows = pl.cdiv(m, cfg.tile_m) * cfg.tile_m
+    xs = jnp.pad(x_scale.reshape(m).astype(jnp.float32), (0, rows - m), constant_values=1.0)
+    ws = jnp.broadcast_to(w_scale.astype(jnp.float32).reshape(-1), (n,))
+    if m % ROW_ALIGN:  # the padded rows are loaded, multiplied and never stored
+        xq = jnp.pad(xq, ((0, ROW_ALIGN - m % ROW_ALIGN), (0, 0)))
+    call = plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg),
+        out_type=backend_lib.out_struct((m, n), out_dtype, [xq, wq_nk]),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
+    return call(xq, wq_nk, xs, ws)
+
+
+# Layer 3: the validated, jitted entry point ------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("wq_layout", "out_dtype", "config", "interpret", "num_sms"))
+def _w8a8_jit(xq, wq, x_scale, w_scale, *, wq_layout, out_dtype, config, interpret, num_sms):
+    wq_nk = wq.T if wq_layout == "kn" else wq
+    return _w8a8_call(xq, wq_nk, x_scale, w_scale, config, out_dtype, interpret, num_sms)
+
+
+def _validate(xq, wq, x_scale, w_scale, wq_layout, out_dtype, cfg: W8A8Config):
+    if wq_layout not in ("kn", "nk"):
+        raise ValueError(f"w8a8_matmul: wq_layout must be 'kn' or 'nk', got {wq_layout!r}")
+    if xq.ndim != 2 or wq.ndim != 2:
+        raise ValueError(f"w8a8_matmul: expected xq [M, K] and wq 2-D, got {xq.shape}, {wq.shape}")
+    m, k = xq.shape
+    k2, n = wq.shape if wq_layout == "kn" else wq.shape[::-1]
+    if k != k2:
+        raise ValueError(f"w8a8_matmul: xq K={k} does not match wq K={k2} (wq_layout={wq_layout!r})")
+    if xq.dtype != wq.dtype or xq.dtype not in DTYPES.values():
+        raise ValueError(f"w8a8_matmul: xq and wq must both be float8_e4m3fn or int8, got {xq.dtype}, {wq.dtype}")
+    if x_scale.size != m or (x_scale.ndim == 2 and x_scale.shape != (m, 1)) or x_scale.ndim > 2:
+        raise ValueError(f"w8a8_matmul: x_scale must be [M, 1] or [M] with M={m}, got {x_scale.shape}")
+    if w_scale.size not in (1, n) or w_scale.ndim > 2 or (w_scale.ndim == 2 and w_scale.shape[0] != 1):
+        raise ValueError(f"w8a8_matmul: w_scale must be [1, N], [N] or per-tensor [] with N={n}, got {w_scale.shape}")
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"w8a8_matmul: out_dtype must be bfloat16 or float16, got {out_dtype}")
+    if k % cfg.tile_k:
+        raise ValueError(f"w8a8_matmul: K={k} is not a multiple of config.tile_k={cfg.tile_k}")
+    if n % (COMPUTE_WGS * cfg.tile_n):
+        raise ValueError(f"w8a8_matmul: N={n} is not a multiple of 2 * config.tile_n={COMPUTE_WGS * cfg.tile_n}")
+
+
+def w8a8_matmul(
+    xq: jax.Array,
+    wq: jax.Array,
+    x_scale: jax.Array,
+    w_scale: jax.Array,
+    *,
+    wq_layout: str = "kn",
+    out_dtype=jnp.bfloat16,
+    config: W8A8Config | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """(xq @ wq) * x_scale * w_scale in `out_dtype`, with 8-bit operands on Hopper's 8-bit tensor cores.
+
+    Args:
+        xq: [M, K] float8_e4m3fn or int8 activations (`quantize_activations`).
+        wq: the weight, same dtype: [K, N] (wq_layout="kn") or [N, K] ("nk", what the kernel reads; no transpose).
+        x_scale: [M, 1] or [M] float per-row scale (a static per-tensor scale broadcast to every row).
+        w_scale: [1, N] or [N] per output channel, or [] / [1] per tensor.
+        wq_layout: "kn" or "nk", as above.
+        out_dtype: bfloat16 or float16.
+        config: tiles; default `W8A8Config.for_shape(N)`.
+        backend: None (Mosaic GPU on Hopper, else the XLA reference), "mosaic_gpu", "interpret" (the Mosaic GPU
+            interpreter, for CPU tests) or "xla" (`reference`). There is no Triton version.
+
+    Returns:
+        [M, N] in out_dtype (f32 accumulation for fp8, exact int32 for int8; scales applied in f32).
+
+    Raises:
+        ValueError: shapes, dtypes or layouts that do not match, K or N not a multiple of the tiles, or an unusable
+            backend.
+    """
+    if backend == "triton":
+        raise ValueError("w8a8_matmul: backend 'triton' is not implemented; use 'mosaic_gpu', 'interpret' or 'xla'")
+    if backend is None:
+        backend = "mosaic_gpu" if backend_lib.device_supports("mosaic_gpu") else "xla"
+    backend = backend_lib.resolve_backend(backend, "w8a8_matmul")
+    n = wq.shape[-1] if wq_layout == "kn" else wq.shape[0]
+    cfg = config or W8A8Config.for_shape(n)
+    _validate(xq, wq, x_scale, w_scale, wq_layout, out_dtype, cfg)
+    if backend == "xla":
+        return reference(xq, wq, x_scale, w_scale, wq_layout=wq_layout, out_dtype=out_dtype)
+    if xq.shape[0] == 0:
+        return jnp.zeros((0, n), out_dtype)
+    interpret = plgpu.InterpretGPUParams() if backend == "interpret" else None
+    sms = INTERPRET_SMS if interpret is not None else gm.num_sms()
+    return _w8a8_jit(
+        xq,
+        wq,
+        jnp.asarray(x_scale),
+        jnp.asarray(w_scale),
+        wq_layout=wq_layout,
+        out_dtype=jnp.dtype(out_dtype),
+        config=cfg,
+        interpret=interpret,
+        num_sms=sms,
+    )
+
+
+# Layer 4: the reference --------------------------------------------------------------------------------------------
+
+
+def reference(xq, wq, x_scale, w_scale, *, wq_layout: str = "kn", out_dtype=jnp.bfloat16, **_) -> jax.Array:
+    """The same product in plain jnp: exact f32 products of the 8-bit values (HIGHEST), then the two scales."""
+    w = (wq.T if wq_layout == "nk" else wq).astype(jnp.float32)
+    acc = jnp.dot(xq.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+    xs = jnp.asarray(x_scale, jnp.float32).reshape(-1, 1)
+    ws = jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
+    return (acc * xs * ws).astype(out_dtype)

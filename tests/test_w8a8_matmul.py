@@ -1,0 +1,186 @@
+"""The W8A8 prefill matmul (pallas_kernels/w8a8_matmul.py) against its plain-jnp reference and the f32 product.
+
+One test base, two runs: `TestInterpreted` drives the Mosaic GPU kernel through the interpreter on CPU (the TMA ring,
+the K-major weight tiles, the scale epilogue and the ladder stores of a partial last row block are the GPU code),
+`TestGpu` compiles it for an H200 at the Llama-3-8B layer shapes. The interpreter fills uninitialised memory with
+NaN, so a row the kernel forgets to store fails the finiteness check. Scales are random per row and per column, so
+a scale applied along the wrong axis (or not at all) fails; int8 accumulates exactly, so the interpreted int8 result
+must equal the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import w8a8_matmul as wm
+
+
+def _has_hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and float(getattr(device, "compute_capability", "0")) >= 9.0
+
+
+def _inputs(fmt, m, k, n, seed, per_tensor_w=False, static_x=False):
+    """Quantised (xq, wq [K, N], x_scale [M, 1], w_scale) from f32 draws, and the f32 product x @ w."""
+    kx, kw, kr = jax.random.split(jax.random.key(seed), 3)
+    # Rows of very different magnitudes: a per-token scale swapped between rows shows up as a large error.
+    x = jax.random.normal(kx, (m, k), jnp.float32) * jnp.exp(jax.random.normal(kr, (m, 1)))
+    w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5 * jnp.linspace(0.2, 3.0, n)
+    xq, xs = wm.quantize_activations(x, fmt, jnp.max(jnp.abs(x)) / wm.ACT_MAX[fmt] if static_x else None)
+    if per_tensor_w:
+        ws = jnp.max(jnp.abs(w)) / wm.ACT_MAX[fmt]
+        wq = wm.quantize_activations(w.reshape(1, -1), fmt, ws)[0].reshape(k, n)
+    else:
+        wq_t, ws = wm.quantize_activations(w.T, fmt)  # per output channel: each column's own max
+        wq, ws = wq_t.T, ws.reshape(1, n)
+    return xq, wq, xs, ws, x @ w
+
+
+def _rel(a, b, axis=None):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return np.linalg.norm(a - b, axis=axis) / np.maximum(np.linalg.norm(b, axis=axis), 1e-30)
+
+
+SMALL = wm.W8A8Config(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2)
+
+# (fmt, M, K, N, config, per-tensor weight scale, static activation scale): M breaks the row tile on purpose.
+CASES = [
+    pytest.param("fp8", 200, 256, 256, SMALL, False, False, id="fp8_M200"),
+    pytest.param("int8", 333, 384, 128, SMALL, False, False, id="int8_M333_K384"),
+    pytest.param("fp8", 1, 128, 128, SMALL, True, True, id="fp8_M1_per_tensor_static"),
+    pytest.param("int8", 130, 128, 256, wm.W8A8Config(max_concurrent_steps=2), False, True, id="int8_tile128"),
+    pytest.param(
+        "fp8",
+        77,
+        256,
+        256,
+        wm.W8A8Config(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=3, delay_release=0, grid_minor_m=False),
+        False,
+        False,
+        id="fp8_k64_ring3_n_minor",
+    ),
+]
+
+
+class W8A8MatmulBase:
+    backend: str
+    exact_int8: bool = False
+
+    @pytest.mark.parametrize("fmt,m,k,n,cfg,per_tensor_w,static_x", CASES)
+    def test_matches_reference(self, fmt, m, k, n, cfg, per_tensor_w, static_x):
+        xq, wq, xs, ws, exact = _inputs(fmt, m, k, n, seed=m + k + n, per_tensor_w=per_tensor_w, static_x=static_x)
+        out = wm.w8a8_matmul(xq, wq, xs, ws, config=cfg, backend=self.backend)
+        ref = wm.reference(xq, wq, xs, ws)
+        assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+        out32 = np.asarray(out, np.float32)
+        assert np.isfinite(out32).all(), "unwritten or NaN output rows"
+        if fmt == "int8" and self.exact_int8:
+            np.testing.assert_array_equal(out32, np.asarray(ref, np.float32))
+        assert _rel(out, ref) < 1e-2
+        assert _rel(out, ref, axis=1).max() < 2e-2, "one row off (a partial tile stored in the wrong place?)"
+        # Against the unquantised f32 product: the quantisation error of 8-bit operands, not a kernel bug (a static
+        # per-tensor scale leaves the small rows few levels, so it is allowed more).
+        assert _rel(out, exact) < (0.1 if static_x else 0.06 if fmt == "fp8" else 0.02)
+
+    def test_weight_nk_layout_and_f16(self):
+        xq, wq, xs, ws, _ = _inputs("fp8", 64, 128, 128, seed=3)
+        out = wm.w8a8_matmul(
+            xq, wq.T, xs, ws, wq_layout="nk", out_dtype=jnp.float16, config=SMALL, backend=self.backend
+        )
+        assert out.dtype == jnp.float16
+        assert _rel(out, wm.reference(xq, wq, xs, ws)) < 1e-2
+
+
+class TestInterpreted(W8A8MatmulBase):
+    backend = "interpret"
+    exact_int8 = True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU (Mosaic GPU wgmma)")
+class TestGpu(W8A8MatmulBase):
+    backend = "mosaic_gpu"
+
+    @pytest.mark.parametrize("fmt", ["fp8", "int8"])
+    @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)])
+    def test_llama_shapes(self, fmt, k, n):
+        xq, wq, xs, ws, _ = _inputs(fmt, 4000, k, n, seed=k + n)  # 4000: a partial last row block
+        out = wm.w8a8_matmul(xq, wq, xs, ws, backend="mosaic_gpu")
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+        assert _rel(out, wm.reference(xq, wq, xs, ws)) < 1e-2
+
+
+def test_quantize_activations_per_token_and_static():
+    x = jnp.asarray([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [300.0, 10.0, -1000.0]], jnp.float32)
+    q, s = wm.quantize_activations(x, "int8")
+    np.testing.assert_allclose(np.asarray(s)[:, 0], [2.0 / 127, 1.0, 1000.0 / 127], rtol=1e-6)
+    assert q.dtype == jnp.int8 and int(jnp.max(jnp.abs(q))) == 127
+    q8, s8 = wm.quantize_activations(x, "fp8")
+    assert q8.dtype == jnp.float8_e4m3fn
+    np.testing.assert_allclose(np.asarray(q8.astype(jnp.float32) * s8), np.asarray(x), rtol=0.07, atol=1e-6)
+    qs, ss = wm.quantize_activations(x, "fp8", jnp.float32(0.5))  # static: clipped at 448 * 0.5
+    assert ss.shape == (3, 1) and float(jnp.max(qs.astype(jnp.float32) * ss)) == 224.0
+
+
+@pytest.mark.parametrize(
+    "m,k,n,fmt_w,x_scale_shape,kwargs,match",
+    [
+        (64, 100, 128, "fp8", (64, 1), {}, "tile_k"),
+        (64, 128, 96, "fp8", (64, 1), {}, "2 \\* config.tile_n"),
+        (64, 128, 128, "int8", (64, 1), {}, "must both be float8_e4m3fn or int8"),
+        (64, 128, 128, "fp8", (32, 1), {}, "x_scale"),
+        (64, 128, 128, "fp8", (64, 1), {"wq_layout": "t"}, "wq_layout"),
+        (64, 128, 128, "fp8", (64, 1), {"out_dtype": jnp.float32}, "out_dtype"),
+        (64, 128, 128, "fp8", (64, 1), {"backend": "triton"}, "triton"),
+    ],
+)
+def test_bad_inputs_raise(m, k, n, fmt_w, x_scale_shape, kwargs, match):
+    xq = jnp.zeros((m, k), jnp.float8_e4m3fn)
+    wq = jnp.zeros((k, n), wm.DTYPES[fmt_w])
+    kwargs = {"backend": "interpret", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        wm.w8a8_matmul(xq, wq, jnp.ones(x_scale_shape), jnp.ones((n,)), **kwargs)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="tile_m"):
+        wm.W8A8Config(tile_m=32)
+    with pytest.raises(ValueError, match="SMEM"):
+        wm.W8A8Config(tile_m=128, tile_n=256, max_concurrent_steps=4)
+    assert wm.supports("fp8", 4096, 14336) and wm.supports("int8", 14336, 1024)
+    assert not wm.supports("fp8", 4000, 4096) and not wm.supports("int4", 4096, 4096)
+
+
+@pytest.mark.parametrize(
+    "fmt,m,k,n,cfg,instr",
+    [
+        pytest.param("fp8", 4096, 4096, 14336, wm.W8A8Config(), "m64n128k32.f32.e4m3.e4m3", id="fp8_llama_up"),
+        pytest.param("int8", 4096, 14336, 4096, wm.W8A8Config(), "m64n128k32.s32.s8.s8", id="int8_llama_down"),
+        pytest.param("int8", 333, 128, 128, wm.W8A8Config.for_shape(128), "m64n64k32.s32.s8.s8", id="int8_odd_M"),
+        pytest.param(
+            "fp8",
+            4096,
+            4096,
+            1024,
+            wm.W8A8Config(tile_m=64, tile_n=256, max_concurrent_steps=2),
+            "m64n256k32",
+            id="n256",
+        ),
+    ],
+)
+def test_lowers_for_cuda_on_cpu(fmt, m, k, n, cfg, instr):
+    """The Mosaic GPU lowering (K-major 8-bit operands, the s32 / f32 accumulator, the scale loads) runs without a
+    GPU and emits the 8-bit wgmma the format needs."""
+    dtype = wm.DTYPES[fmt]
+    args = (
+        jax.ShapeDtypeStruct((m, k), dtype),
+        jax.ShapeDtypeStruct((n, k), dtype),
+        jax.ShapeDtypeStruct((m, 1), jnp.float32),
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+    )
+    fn = jax.jit(lambda a, b, c, d: wm._w8a8_call(a, b, c, d, cfg, jnp.bfloat16, None, 132))  # pylint: disable=protected-access
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"wgmma.mma_async.sync.aligned.{instr}" in text
