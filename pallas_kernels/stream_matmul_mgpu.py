@@ -337,7 +337,8 @@ def smem_bytes(m: int, w: StreamWeight, config: StreamConfig) -> int:
     per_step = p.mp * p.tk * 2 + CTA_ROWS * p.tk * bits // 8
     if w.fmt == "int4":
         per_step += (1 + (w.zshift is not None)) * (p.tk // w.group_size) * CTA_ROWS * 4
-    return min(config.max_concurrent_steps, p.steps) * per_step + COMPUTE_WGS * WG_ROWS * p.mp * 4
+    staging = COMPUTE_WGS * WG_ROWS * p.kb * 2 if config.a_via_smem and w.fmt != "bf16" else 0
+    return min(config.max_concurrent_steps, p.steps) * per_step + COMPUTE_WGS * WG_ROWS * p.mp * 4 + staging
 
 
 def _validate(x, w: StreamWeight, config: StreamConfig):
