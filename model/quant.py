@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ class QuantizedArray:
     pre_scale: jax.Array | None = None
     act_scale: jax.Array | None = None
     act_fmt: str = dataclasses.field(default="", metadata=dict(static=True))
+    stream: Any = None  # opt-in: the same weight in stream_matmul_mgpu's layout (`with_stream_layout`)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -145,6 +147,29 @@ def use_kernel(fmt: str, rows: int, n: int, x_dtype) -> bool:
     return rows <= KERNEL_MAX_ROWS.get(fmt, 0)
 
 
+def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
+    """w plus a copy in the Hopper streaming kernel's layout (transposed; built once, at load): `matmul` then takes
+    pallas_kernels/stream_matmul_mgpu.py for up to 256 rows on GPUs that run Mosaic GPU. Opt-in (not yet measured
+    against the Triton kernel); keeps `values`, so the weight's memory doubles. Grouped int8 is returned as is."""
+    from pallas_kernels.stream_matmul_mgpu import prepare
+
+    if w.fmt == "int8" and w.group_size:
+        return w
+    return dataclasses.replace(w, stream=prepare(w.values, w.scales, w.zeros, fmt=w.fmt, group_size=w.group_size))
+
+
+def _stream_ok(rows: int, x_dtype, out_dtype) -> bool:
+    from pallas_kernels.backend import device_supports
+    from pallas_kernels.stream_matmul_mgpu import MAX_ROWS
+
+    return (
+        x_dtype in (jnp.bfloat16, jnp.float16)
+        and out_dtype == x_dtype
+        and rows <= MAX_ROWS
+        and device_supports("mosaic_gpu")
+    )
+
+
 def _kernel_matmul(x, values, scales, zeros, fmt, group_size):
     from pallas_kernels.quantized_matmul import quantized_matmul
 
@@ -163,6 +188,10 @@ def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.A
     if isinstance(w, QuantizedArray) and (w.pre_scale is not None or w.act_fmt):
         x = _prepare_input(x, w)
         w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)
+    if isinstance(w, QuantizedArray) and w.stream is not None and _stream_ok(rows, x.dtype, out_dtype):
+        from pallas_kernels.stream_matmul_mgpu import stream_matmul
+
+        return stream_matmul(x, w.stream, backend="mosaic_gpu")
     fmt = w.fmt if isinstance(w, QuantizedArray) else ("bf16" if w.dtype == jnp.bfloat16 else "")
     grouped8 = isinstance(w, QuantizedArray) and fmt != "int4" and w.group_size  # no kernel for grouped int8
     if fmt and not grouped8 and out_dtype == x.dtype and use_kernel(fmt, rows, w.shape[-1], x.dtype):
