@@ -388,7 +388,10 @@ def quantized_matmul(
     _validate(x, values, scales, zeros, fmt, group_size)
     resolved = resolve_backend(backend, KERNEL_NAME)
     if resolved == "mosaic_gpu":
-        raise ValueError("quantized_matmul: backend 'mosaic_gpu' is not implemented; use 'triton' or None")
+        raise ValueError(  # its layout is built once at load, not per call
+            "quantized_matmul: backend 'mosaic_gpu' takes a prepared weight: "
+            "pallas_kernels.stream_matmul_mgpu.stream_matmul(x, prepare(values, scales, zeros, ...))"
+        )
     config = config or QuantizedMatmulConfig()
     if resolved == "xla":
         return _reference(x, values, scales, zeros, fmt=fmt, group_size=group_size)

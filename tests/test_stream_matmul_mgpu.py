@@ -204,3 +204,27 @@ def test_lowers_for_cuda_on_cpu(fmt, m, k, n, g, asym, via_smem):
     lowered = jax.jit(lambda x, w: sm._stream_call(x, w, config, None, 132)).trace(x, w)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "wgmma.mma_async" in text
+
+
+def test_quant_door_takes_the_stream_layout(monkeypatch):
+    """model.quant.matmul runs the kernel on a QuantizedArray carrying `stream` (here through the interpreter)."""
+    from model import quant
+
+    rng = np.random.default_rng(9)
+    values, scales, zeros = make_weight(rng, "int4", 256, 72, 32, True, False)
+    w = quant.with_stream_layout(quant.QuantizedArray(values, scales, zeros, fmt="int4", group_size=32))
+    assert isinstance(w.stream, sm.StreamWeight)
+    calls, kernel = [], sm.stream_matmul
+
+    def interpreted(x, stream, backend=None):
+        calls.append(backend)
+        return kernel(x, stream, config=SMALL, backend="interpret")
+
+    monkeypatch.setattr(quant, "_stream_ok", lambda *_: True)
+    monkeypatch.setattr(sm, "stream_matmul", interpreted)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    got = quant.matmul(x, w)
+    assert calls == ["mosaic_gpu"]
+    assert errors(got, quant.reference_matmul(x, w))[0] < 1e-2
+    grouped8 = quant.QuantizedArray(jnp.ones((64, 8), jnp.int8), jnp.ones((2, 8)), fmt="int8", group_size=32)
+    assert quant.with_stream_layout(grouped8).stream is None  # no grouped int8 kernel: unchanged
