@@ -1,0 +1,238 @@
+"""W8A8 prefill matmul on one GPU: our Mosaic GPU kernel (fp8, int8) vs XLA (bf16, fp8, int8 dots) vs torch peers.
+
+Run from the repo root on the device machine (benchmarks/run_w8a8_gpu.sh does, under 3 minutes on an H200):
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/w8a8_matmul.py --out $OUT/w8a8_matmul.json
+
+Shapes: M = 4096 tokens through the Llama-3-8B layer weights [K, N] = 4096x4096 (q / o), 4096x1024 (k / v),
+4096x14336 (gate / up) and 14336x4096 (down). Figure of merit: 2 * M * K * N over the median time, in TFLOP/s.
+Rows, per shape, all timed in the same process (benchmarks/timing.py's rule; the same rule, with
+torch.cuda.synchronize, for torch):
+
+    ours_fp8 / ours_int8         the kernel on a pre-transposed [N, K] weight (what it reads; a serving path that
+                                 stores weights K-major pays nothing more)
+    ours_fp8_kn / ours_int8_kn   the same from a [K, N] weight, transposed in the same jit (what model/quant.py runs)
+    xla_bf16                     bf16 x bf16 dot, f32 accumulation
+    xla_fp8 / xla_int8           XLA's e4m3 x e4m3 (f32 acc) / s8 x s8 (s32 acc) dot with the same scale epilogue
+    torch_scaled_mm              torch._scaled_mm, e4m3, row-wise scales [M, 1] x [1, N], bf16 out (cuBLASLt);
+                                 _fast_accum: use_fast_accum=True (no periodic promotion of the wgmma sums to full
+                                 f32: what our kernel and XLA do)
+    torch_int_mm                 torch._int_mm, s8 x s8 -> s32 (cuBLAS), without the scale epilogue
+
+Before any timing, every kernel output is checked against `w8a8_matmul.reference` (norm-relative error < 1e-2; a
+failure is recorded and that row is not timed). `--sweep_seconds` bounds a small config sweep (tile sizes, ring
+depth, grid walk) run after the main table on the shapes, in order, until the budget is spent.
+
+`--smoke` runs a tiny shape through the Mosaic GPU interpreter, to check this script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import median_seconds
+from pallas_kernels import w8a8_matmul as wm
+
+TIMING = dict(iters=10, reps=5)
+M = 4096
+SHAPES = [("q_o_4096x4096", 4096, 4096), ("k_v_4096x1024", 4096, 1024), ("gate_up_4096x14336", 4096, 14336)]
+SHAPES.append(("down_14336x4096", 14336, 4096))
+SMOKE = dict(m=200, shapes=[("smoke_256x256", 256, 256)])
+Cfg = wm.W8A8Config
+SWEEP = [
+    Cfg(max_concurrent_steps=3),
+    Cfg(tile_m=64, tile_n=256, max_concurrent_steps=2),
+    Cfg(tile_m=64, tile_n=128, max_concurrent_steps=5),
+    Cfg(grid_tile_width=16),
+    Cfg(grid_minor_m=False),
+    Cfg(delay_release=0),
+    Cfg(tile_k=64, max_concurrent_steps=6),
+]
+SMOKE_CFG = Cfg(tile_m=64, tile_n=64, max_concurrent_steps=2)
+
+
+def rel_error(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_inputs(fmt, m, k, n, seed=0):
+    """Quantised activations (per token) and weights (per output channel) from f32 normal draws, on the device."""
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
+    xq, xs = wm.quantize_activations(x, fmt)
+    wq_t, ws = wm.quantize_activations(w.T, fmt)  # [N, K] with one scale per output channel
+    return xq, wq_t, xs, ws.reshape(1, n)
+
+
+def time_ours(fmt, m, k, n, cfg, backend, layout="nk"):
+    """One row for our kernel: correctness vs reference first, then the timing."""
+    xq, wq_t, xs, ws = make_inputs(fmt, m, k, n)
+    wq = wq_t if layout == "nk" else jnp.asarray(wq_t.T)
+    fn = jax.jit(lambda a, b, c, d: wm.w8a8_matmul(a, b, c, d, wq_layout=layout, config=cfg, backend=backend))
+    entry = dict(config=dataclasses.asdict(cfg), layout=layout)
+    try:
+        entry["rel_error"] = rel_error(fn(xq, wq, xs, ws), wm.reference(xq, wq_t, xs, ws, wq_layout="nk"))
+        if entry["rel_error"] < 1e-2:
+            entry["us"] = median_seconds(fn, xq, wq, xs, ws, **TIMING) * 1e6
+    except Exception as err:  # a config that does not compile is recorded, not fatal  # noqa: BLE001
+        entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    return entry
+
+
+def time_xla(m, k, n):
+    """XLA's dots: bf16, fp8 e4m3 and int8, the 8-bit ones with the same scale epilogue as ours."""
+    rows = {}
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+    bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    rows["xla_bf16"] = median_seconds(bf16, x, w, **TIMING) * 1e6
+    for fmt, acc in (("fp8", jnp.float32), ("int8", jnp.int32)):
+        xq, wq_t, xs, ws = make_inputs(fmt, m, k, n)
+        wq = jnp.asarray(wq_t.T)
+
+        def dot(a, b, c, d, acc=acc):
+            return (jnp.dot(a, b, preferred_element_type=acc).astype(jnp.float32) * c * d).astype(jnp.bfloat16)
+
+        rows[f"xla_{fmt}"] = median_seconds(jax.jit(dot), xq, wq, xs, ws, **TIMING) * 1e6
+    return rows
+
+
+def torch_rows(m, k, n) -> dict:
+    """torch._scaled_mm (fp8, row-wise scales) and torch._int_mm (int8), if torch with CUDA is importable here."""
+    try:
+        import torch  # noqa: PLC0415 (an optional peer: the device image has it, the CPU venv need not)
+    except ImportError as err:
+        return dict(torch_error=f"ImportError: {err}")
+    if not torch.cuda.is_available():
+        return dict(torch_error="torch has no CUDA device")
+
+    def median_torch(fn):
+        fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(TIMING["reps"]):
+            start = time.perf_counter()
+            for _ in range(TIMING["iters"]):
+                fn()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - start) / TIMING["iters"])
+        return statistics.median(samples) * 1e6
+
+    rows = dict(torch_version=torch.__version__)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=gen)
+    w_nk = torch.randn(n, k, device="cuda", generator=gen) * k**-0.5
+    try:
+        xs = x.abs().amax(dim=1, keepdim=True) / 448.0
+        ws = (w_nk.abs().amax(dim=1, keepdim=True) / 448.0).T.contiguous()  # [1, N]
+        xq = (x / xs).to(torch.float8_e4m3fn)
+        wq = (w_nk / ws.T).to(torch.float8_e4m3fn)  # [N, K] row-major: .t() is the column-major [K, N] cuBLASLt wants
+        for key, fast in (("torch_scaled_mm", False), ("torch_scaled_mm_fast_accum", True)):
+            mm = lambda fast=fast: torch._scaled_mm(xq, wq.t(), xs, ws, out_dtype=torch.bfloat16, use_fast_accum=fast)  # noqa: E731
+            rows[key] = median_torch(mm)
+    except Exception as err:  # noqa: BLE001 (a torch build without row-wise fp8 scaling is recorded, not fatal)
+        rows["torch_scaled_mm_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    try:
+        xi = torch.randint(-127, 128, (m, k), device="cuda", dtype=torch.int8, generator=gen)
+        wi = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
+        rows["torch_int_mm"] = median_torch(lambda: torch._int_mm(xi, wi.t()))
+    except Exception as err:  # noqa: BLE001
+        rows["torch_int_mm_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    del x, w_nk
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_shape(name, m, k, n, backend, cfg=None):
+    cfg = cfg or Cfg.for_shape(n)
+    tflops = lambda us: 2.0 * m * k * n / (us * 1e-6) / 1e12  # noqa: E731
+    row = dict(shape=name, m=m, k=k, n=n, kernels={})
+    for fmt in ("fp8", "int8"):
+        for layout in ("nk", "kn"):
+            key = f"ours_{fmt}" + ("_kn" if layout == "kn" else "")
+            row["kernels"][key] = time_ours(fmt, m, k, n, cfg, backend, layout)
+    row.update(time_xla(m, k, n))
+    row.update(torch_rows(m, k, n))
+    row["tflops"] = {key: tflops(e["us"]) for key, e in row["kernels"].items() if "us" in e}
+    row["tflops"].update({key: tflops(us) for key, us in row.items() if key.startswith(("xla_", "torch_")) and
+                          isinstance(us, float)})  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def sweep(shapes, m, backend, seconds: float):
+    """Configs beyond the default, per shape and format (kernel on [N, K] weights), until `seconds` are spent."""
+    results, deadline = [], time.monotonic() + seconds
+    for name, k, n in shapes:
+        for cfg in SWEEP:
+            for fmt in ("fp8", "int8"):
+                if time.monotonic() > deadline:
+                    return results
+                if n % (wm.COMPUTE_WGS * cfg.tile_n) or k % cfg.tile_k:
+                    continue
+                entry = dict(shape=name, fmt=fmt, **time_ours(fmt, m, k, n, cfg, backend))
+                if "us" in entry:
+                    entry["tflops"] = 2.0 * m * k * n / (entry["us"] * 1e-6) / 1e12
+                print(json.dumps(entry), flush=True)
+                results.append(entry)
+    return results
+
+
+def summary(rows) -> str:
+    cols = ["ours_fp8", "ours_fp8_kn", "torch_scaled_mm", "torch_scaled_mm_fast_accum", "xla_fp8", "ours_int8"]
+    cols += ["ours_int8_kn", "torch_int_mm"]
+    cols += ["xla_int8", "xla_bf16"]
+    lines = [f"| shape (M = {rows[0]['m']}) | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for r in rows:
+        vals = [f"{r['tflops'][c]:.0f}" if c in r["tflops"] else "-" for c in cols]
+        lines.append(f"| {r['shape']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="w8a8_matmul.json")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape in the Mosaic GPU interpreter (CPU)")
+    parser.add_argument("--shapes", default="", help="comma-separated subset of shape names")
+    parser.add_argument("--sweep_seconds", type=float, default=45.0, help="time budget of the config sweep (0: none)")
+    args = parser.parse_args()
+    m, shapes, backend = (SMOKE["m"], SMOKE["shapes"], "interpret") if args.smoke else (M, SHAPES, "mosaic_gpu")
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    if args.smoke:  # the interpreter takes ~0.5 s a call: one timed call is enough to exercise the script
+        TIMING.update(iters=1, reps=1)
+    result = dict(
+        device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(), jax=jax.__version__,
+        timing=TIMING, m=m, rows=[], sweep=[],
+    )  # fmt: skip
+
+    def write():  # rewritten after each step, so a run cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for name, k, n in shapes:
+        cfg = SMOKE_CFG if args.smoke else None
+        result["rows"].append(bench_shape(name, m, k, n, backend, cfg))
+        write()
+    if args.sweep_seconds > 0 and not args.smoke:
+        result["sweep"] = sweep(shapes, m, backend, args.sweep_seconds)
+        write()
+    print(summary(result["rows"]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
