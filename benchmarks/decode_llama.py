@@ -82,6 +82,9 @@ def bench(
         f"{concurrency_context} tokens; init+quantise {init_s:.1f}s",
         flush=True,
     )
+    if not batches:  # --batches "": memory and concurrency only
+        return dict(preset=preset, format=fmt, kv_cache_dtype=kv_cache_dtype, weight_bytes=weight_bytes,
+                    concurrency_context=concurrency_context, concurrent_sequences=concurrency, rows=[])  # fmt: skip
     max_b = max(batches)
     blocks_per_row = -(-(ctx + steps * (repeats + 2)) // block_size)
     runner = ModelRunner(
@@ -200,7 +203,7 @@ def main():
             )
 
         kv.PagedMeta.attend = attend_without_kernel
-    batches = [int(x) for x in a.batches.split(",")]
+    batches = [int(x) for x in a.batches.split(",") if x]
     runs = []
     for fmt in a.formats.split(","):
         for kv in a.kv_cache_dtypes.split(","):
