@@ -18,7 +18,8 @@ Optional extensions (all default off, so the layouts above are unchanged):
                              per-tensor `act_scale` [] and dequantised before the dot (the numerics of a W8A8 kernel)
 
 This file holds the data type and the plain-jnp dequantise-then-dot path; the Pallas streaming kernel
-(pallas_kernels/quantized_matmul.py) is selected by `matmul` on GPUs where it was measured faster than XLA.
+(pallas_kernels/quantized_matmul.py) is selected by `matmul` on GPUs where it was measured faster than XLA;
+W8A8 weights of >= W8A8_MIN_ROWS rows take the 8-bit tensor-core kernel (pallas_kernels/w8a8_matmul.py) on Hopper.
 """
 
 from __future__ import annotations
@@ -96,17 +97,10 @@ class QuantizedArray:
 
 def fake_quantize_activations(x: jax.Array, act_fmt: str, act_scale: jax.Array | None) -> jax.Array:
     """x quantised to int8 / e4m3 and back (per token from its own max unless a static scale is given)."""
-    x32 = x.astype(jnp.float32)
-    if act_scale is None:
-        amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-        scale = jnp.where(amax > 0, amax / ACT_MAX[act_fmt], 1.0)
-    else:
-        scale = act_scale.astype(jnp.float32)
-    if act_fmt == "int8":
-        q = jnp.clip(jnp.round(x32 / scale), -127, 127)
-    else:
-        q = jnp.clip(x32 / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return (q * scale).astype(x.dtype)
+    from pallas_kernels.w8a8_matmul import quantize_activations  # the W8A8 kernel's own quantiser: one rounding rule
+
+    q, scale = quantize_activations(x, act_fmt, act_scale)
+    return (q.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 def _prepare_input(x: jax.Array, w: QuantizedArray) -> jax.Array:
@@ -170,6 +164,36 @@ def _stream_ok(rows: int, x_dtype, out_dtype) -> bool:
     )
 
 
+# W8A8 prefill (act_fmt == fmt, per-channel or per-tensor weight scales): from this many rows on a Hopper GPU the
+# 8-bit tensor-core kernel (pallas_kernels/w8a8_matmul.py) replaces fake-quantise-then-bf16-dot. Same activation
+# quantiser (per token, or the static act_scale), exact 8-bit products instead of bf16-rounded dequantised ones.
+# Decode-sized calls keep the path above. The 256 is the issue's prefill threshold, not yet a measured crossover.
+W8A8_MIN_ROWS = 256
+W8A8_BACKEND = "mosaic_gpu"  # tests set "interpret" to drive this path through the Mosaic GPU interpreter on a CPU
+
+
+def use_w8a8_kernel(w: QuantizedArray, rows: int, x_dtype, out_dtype) -> bool:
+    """Whether matmul takes the W8A8 kernel for x [rows, K] @ w."""
+    if not w.act_fmt or w.fmt != w.act_fmt or w.group_size or w.values.ndim != 2 or rows < W8A8_MIN_ROWS:
+        return False
+    if x_dtype not in (jnp.bfloat16, jnp.float16) or out_dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    from pallas_kernels import backend, w8a8_matmul
+
+    return backend.device_supports(W8A8_BACKEND) and w8a8_matmul.supports(w.fmt, *w.shape)
+
+
+def _w8a8_kernel_matmul(x, w: QuantizedArray, out_dtype):
+    from pallas_kernels.w8a8_matmul import quantize_activations, w8a8_matmul
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.pre_scale is not None:  # SmoothQuant's migrated factor, rounded to x's dtype as _prepare_input does
+        x2 = (x2.astype(jnp.float32) * w.pre_scale.astype(jnp.float32)).astype(x.dtype)
+    xq, x_scale = quantize_activations(x2, w.act_fmt, w.act_scale)
+    out = w8a8_matmul(xq, w.values, x_scale, w.scales, out_dtype=out_dtype, backend=W8A8_BACKEND)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _kernel_matmul(x, values, scales, zeros, fmt, group_size):
     from pallas_kernels.quantized_matmul import quantized_matmul
 
@@ -185,6 +209,8 @@ def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.A
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     rows = math.prod(x.shape[:-1])
+    if isinstance(w, QuantizedArray) and use_w8a8_kernel(w, rows, x.dtype, out_dtype):
+        return _w8a8_kernel_matmul(x, w, out_dtype)
     if isinstance(w, QuantizedArray) and (w.pre_scale is not None or w.act_fmt):
         x = _prepare_input(x, w)
         w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)

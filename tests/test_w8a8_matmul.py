@@ -184,3 +184,29 @@ def test_lowers_for_cuda_on_cpu(fmt, m, k, n, cfg, instr):
     fn = jax.jit(lambda a, b, c, d: wm._w8a8_call(a, b, c, d, cfg, jnp.bfloat16, None, 132))  # pylint: disable=protected-access
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert f"wgmma.mma_async.sync.aligned.{instr}" in text
+
+
+@pytest.mark.parametrize("method", ["smoothquant_int8", "fp8_dynamic", "fp8_static"])
+def test_quant_matmul_takes_the_kernel_for_prefill(monkeypatch, method):
+    """model/quant.py's W8A8 formats run this kernel from W8A8_MIN_ROWS rows (here in the interpreter) and agree
+    with the fake-quantise-then-dot oracle; fewer rows keep the old path."""
+    from model import quant  # noqa: PLC0415
+    from model import quant_methods as qm  # noqa: PLC0415
+
+    kx, kw = jax.random.split(jax.random.key(7))
+    x = jax.random.normal(kx, (2, 128, 256), jnp.float32).astype(jnp.bfloat16)  # 256 rows
+    w = jax.random.normal(kw, (256, 256), jnp.float32) * 256**-0.5
+    calib = x.reshape(-1, 256).astype(jnp.float32)
+    if method == "smoothquant_int8":
+        q = qm.smoothquant(w, calib)
+    else:
+        q = qm.fp8_w8a8(w, calib, static=method == "fp8_static")
+    calls = []
+    real = wm.w8a8_matmul
+    monkeypatch.setattr(wm, "w8a8_matmul", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
+    monkeypatch.setattr(quant, "W8A8_BACKEND", "interpret")
+    out = quant.matmul(x, q)
+    assert calls == ["interpret"] and out.shape == (2, 128, 256) and out.dtype == jnp.bfloat16
+    assert _rel(out, quant.reference_matmul(x, q)) < 2e-2
+    quant.matmul(x[:1, :100], q)  # 100 rows: decode-sized, not the kernel
+    assert calls == ["interpret"]
