@@ -190,7 +190,10 @@ def _w8a8_kernel_matmul(x, w: QuantizedArray, out_dtype):
     if w.pre_scale is not None:  # SmoothQuant's migrated factor, rounded to x's dtype as _prepare_input does
         x2 = (x2.astype(jnp.float32) * w.pre_scale.astype(jnp.float32)).astype(x.dtype)
     xq, x_scale = quantize_activations(x2, w.act_fmt, w.act_scale)
-    out = w8a8_matmul(xq, w.values, x_scale, w.scales, out_dtype=out_dtype, backend=W8A8_BACKEND)
+    wq, layout = w.values, "kn"  # 8-bit wgmma reads the weight K-major: a [K, N] one is transposed per call ...
+    if w.stream is not None and w.stream.wt.shape == w.values.shape[::-1]:
+        wq, layout = w.stream.wt, "nk"  # ... unless with_stream_layout built the unpadded [N, K] copy at load
+    out = w8a8_matmul(xq, wq, x_scale, w.scales, wq_layout=layout, out_dtype=out_dtype, backend=W8A8_BACKEND)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
