@@ -18,6 +18,7 @@ torch.cuda.synchronize, for torch):
                                  _fast_accum: use_fast_accum=True (no periodic promotion of the wgmma sums to full
                                  f32: what our kernel and XLA do)
     torch_int_mm                 torch._int_mm, s8 x s8 -> s32 (cuBLAS), without the scale epilogue
+    quantize_{fp8,int8}_us       the per-token activation quantiser on bf16 x [M, K] (not in any TFLOP/s figure)
 
 Before any timing, every kernel output is checked against `w8a8_matmul.reference` (norm-relative error < 1e-2; a
 failure is recorded and that row is not timed). `--sweep_seconds` bounds a small config sweep (tile sizes, ring
@@ -166,6 +167,10 @@ def bench_shape(name, m, k, n, backend, cfg=None):
             row["kernels"][key] = time_ours(fmt, m, k, n, cfg, backend, layout)
     row.update(time_xla(m, k, n))
     row.update(torch_rows(m, k, n))
+    x = jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16)
+    for fmt in ("fp8", "int8"):  # the per-token quantiser model/quant.py runs before the kernel (not in the TFLOP/s)
+        quantize = jax.jit(lambda a, fmt=fmt: wm.quantize_activations(a, fmt))
+        row[f"quantize_{fmt}_us"] = median_seconds(quantize, x, **TIMING) * 1e6
     row["tflops"] = {key: tflops(e["us"]) for key, e in row["kernels"].items() if "us" in e}
     row["tflops"].update({key: tflops(us) for key, us in row.items() if key.startswith(("xla_", "torch_")) and
                           isinstance(us, float)})  # fmt: skip
