@@ -108,7 +108,7 @@ def sweep_configs(fmt_name, best: sm.StreamConfig, m, k, n):
     kind = "int4" if fmt_name.startswith("int4") else "dense"
     out = [dataclasses.replace(c, a_via_smem=best.a_via_smem) for c in CANDIDATES[kind]]
     fmt, g, asym, _ = qbench.FORMATS[fmt_name]
-    shape = (-(-n // sm.CTA_ROWS) * sm.CTA_ROWS, -(-k // sm.K_ALIGN) * sm.K_ALIGN)
+    shape = (-(-n // sm.N_ALIGN) * sm.N_ALIGN, -(-k // sm.K_ALIGN) * sm.K_ALIGN)
     like = sm.StreamWeight(jax.ShapeDtypeStruct(shape, jnp.int8), None, None, fmt, g, k, n)  # plan() reads shapes only
     auto = sm.plan(m, like, best, sm._num_sms()).splits
     out += [dataclasses.replace(best, num_splits=s) for s in sorted({1, max(1, auto // 2), auto * 2} - {auto})]

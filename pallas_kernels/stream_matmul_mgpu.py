@@ -2,28 +2,30 @@
 
     x [M, K] @ w [K, N]  ==  (W^T [N, K] @ x^T [K, M])^T       M <= 256 rows, weight bf16 | int8 | fp8 e4m3 | int4
 
-"Swap AB": the weight is wgmma's A operand (64 rows of N per compute warpgroup, loaded from SMEM into registers and
-converted to bf16 there) and the few activation rows are B's narrow N dimension (M padded to Mp, a multiple of 8:
-wgmma N runs 8..256 in steps of 8). A decode GEMV then uses the tensor cores at Mp/64 of the usual tile instead of
-padding M to 64.
+"Swap AB": the weight is wgmma's A operand (R = `wg_rows`, 64 or 128 rows of N per compute warpgroup, loaded from
+SMEM into registers and converted to bf16 there) and the few activation rows are B's narrow N dimension (M padded
+to Mp, a multiple of 8: wgmma N runs 8..256 in steps of 8), so a decode GEMV does not pad M to 64.
 
 Stored layout (`prepare`, once at quantisation / load time, never per call): `StreamWeight`
-    wt      [Np, Kp]  the weight transposed (K contiguous), N padded to 128 and K to K_ALIGN with zeros:
+    wt      [Np, Kp]  the weight transposed (K contiguous), N padded to N_ALIGN and K to K_ALIGN with zeros:
                       bf16 / f16 | int8 | float8_e4m3fn | int4 (jnp.int4, signed codes c - 8, packed by XLA along K)
     scales  int8 / fp8: f32 [N] (a per-tensor fp8 scale is broadcast);  int4: f32 [Kp/g, Np] group scales
     zshift  int4 asymmetric: f32 [Kp/g, Np] = zero_point - 8 (None: symmetric), so w = (c' - zshift) * scale
 
-Grid (Np / 128, S): CTA (i, s) owns rows [128 i, 128 i + 128) of out^T and K steps [s * T, (s + 1) * T) of tile_k:
-    wg 2     (memory):  TMA ring of `max_concurrent_steps` slots: per step the weight tile [128, tile_k] and
-             x [Mp, tile_k] (int4: one weight / x block per group of g columns, and the step's scales [tile_k/g, 128])
-    wg 0, 1  (compute): a = wt tile rows [64 wg, 64 wg + 64) -> registers -> bf16;  acc [64, Mp] += a @ x_tile^T
-             int4: per group j, a_j = (bf16(c') - zshift[j]) * scale[j] in f32, rounded once to bf16, then wgmma:
-                   the same numbers as dequantising the weight to bf16 first (one rounding per weight element).
+Grid (Np / 2R, S): CTA (i, s) owns rows [2R i, 2R i + 2R) of out^T and K steps [s * T, (s + 1) * T) of tile_k:
+    wg 2     (memory):  TMA ring of up to `max_concurrent_steps` slots: per step the weight tile [2R, tile_k] and
+             x [Mp, tile_k] (int4: blocks of max(g, 64) columns for both, and the step's scales [tile_k/g, 2R])
+    wg 0, 1  (compute): a = wt tile rows [R wg, R wg + R) -> registers -> bf16;  acc [R, Mp] += a @ x_tile^T
+             (bf16 weights: A straight from SMEM; e4m3 goes through f16, the only conversion Hopper has; exact)
+             int4: a = (c' - zshift[group]) * scale[group] in f32, rounded once to bf16, then wgmma: the same
+                   numbers as dequantising the weight to bf16 first (one rounding per weight element).
     epilogue: acc -> SMEM -> partials [S * Np, Mp] f32 (TMA store).
 After the kernel, one XLA fusion: sum the S partials, multiply by the int8 / fp8 per-channel scale (exact, f32),
-transpose to [M, N] and cast. f32 partials cost S * N * Mp * 4 bytes against the weight's K * N bytes or more.
+transpose to [M, N] and cast. f32 partials cost S * N * Mp * 4 bytes (`plan` keeps them under a quarter of the
+weight's bytes) and a second small kernel per call.
 
-Interpreter (CPU tests, `interpret=plgpu.InterpretGPUParams()`): runs the same kernel (ring, barriers, stores).
+Interpreter (CPU tests, `interpret=plgpu.InterpretGPUParams()`): runs the same kernel (ring, barriers, stores), except
+that its wgmma reads refs only, so A always reaches it through the SMEM staging tile (`a_via_smem`).
 """
 
 from __future__ import annotations
@@ -42,13 +44,13 @@ from pallas_kernels import backend as backend_lib
 from pallas_kernels.quantized_matmul import FORMATS, reference  # noqa: F401  (reference: the shared oracle)
 
 COMPUTE_WGS = 2
-WG_ROWS = 64  # rows of N per compute warpgroup: wgmma's fixed M
-CTA_ROWS = COMPUTE_WGS * WG_ROWS
+N_ALIGN = 256  # N padding of the stored weight: whole CTAs of 2 warpgroups x 64 or 128 rows
 K_ALIGN = 256  # K padding of the stored weight: every tile_k (64, 128, 256; int4 up to 512 via groups) divides it
 MAX_ROWS = 256  # wgmma N limit: rows of x per call
 MEMORY_REGISTERS = 40
 SMEM_BYTES = 227 * 1024
 KERNEL_NAME = "stream_matmul_mgpu"
+INTERPRET_SMS = 4  # "SMs" in the interpreter: few, so that small tests still split K
 _CODE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
 
 
@@ -58,16 +60,21 @@ class StreamConfig:
 
     Attributes:
         tile_k: K columns per pipeline step (64, 128 or 256; int4 at least one group and a multiple of it).
-        max_concurrent_steps: SMEM ring depth (bytes in flight per SM = depth * 128 * tile_k * weight bytes).
-        num_splits: K splits across CTAs (f32 partials summed after); 0 picks enough CTAs for ~2 per SM.
+        max_concurrent_steps: most SMEM ring slots (fewer where SMEM does not hold them; bytes in flight per SM =
+            slots * 2 * wg_rows * tile_k * weight bytes).
+        num_splits: K splits across CTAs (f32 partials summed after); 0 picks one wave of CTAs, fewer where the
+            partials would pass a quarter of the weight's bytes (`plan`).
         a_via_smem: int8 / fp8 / int4 hand the converted A tile to wgmma through SMEM instead of registers (what
             the interpreter always does; on the GPU a fallback and a point of the sweep).
+        wg_rows: rows of N per compute warpgroup, 64 or 128 (one or two wgmma row tiles); 0: 128 from 32 rows of
+            x up (x's block is re-read per CTA: wider CTAs read it fewer times), else 64.
     """
 
     tile_k: int = 128
     max_concurrent_steps: int = 4
     num_splits: int = 0
     a_via_smem: bool = False
+    wg_rows: int = 0
 
     def __post_init__(self):
         if self.tile_k not in (64, 128, 256, 512):
@@ -76,6 +83,8 @@ class StreamConfig:
             raise ValueError(f"StreamConfig.max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
         if self.num_splits < 0:
             raise ValueError(f"StreamConfig.num_splits must be >= 0 (0 = auto), got {self.num_splits}")
+        if self.wg_rows not in (0, 64, 128):
+            raise ValueError(f"StreamConfig.wg_rows must be 0 (auto), 64 or 128, got {self.wg_rows}")
 
 
 @jax.tree_util.register_dataclass
@@ -117,7 +126,7 @@ def prepare(values, scales=None, zeros=None, *, fmt="bf16", group_size=0) -> Str
     k = 2 * values.shape[0] if fmt == "int4" else values.shape[0]
     _validate(jnp.zeros((1, k), jnp.bfloat16), values, scales, zeros, fmt, group_size)
     n = values.shape[1]
-    np_, kp = -(-n // CTA_ROWS) * CTA_ROWS, -(-k // K_ALIGN) * K_ALIGN
+    np_, kp = -(-n // N_ALIGN) * N_ALIGN, -(-k // K_ALIGN) * K_ALIGN
     if fmt == "int4":
         codes = jnp.stack([values & 0xF, values >> 4], axis=1).reshape(k, n).astype(jnp.int8) - 8  # [K, N]
         wt = _pad2(codes.T, np_, kp).astype(jnp.int4)  # padded K columns are code 8 (zero) with scale 0
@@ -143,6 +152,13 @@ class _Plan:
     steps: int  # steps per split
     splits: int
     n_blocks: int  # CTAs along N
+    wg_rows: int  # rows of N per compute warpgroup
+    depth: int  # ring slots
+    smem: int  # bytes of SMEM per CTA
+
+    @property
+    def cta_rows(self) -> int:
+        return COMPUTE_WGS * self.wg_rows
 
 
 def plan(m: int, w: StreamWeight, config: StreamConfig, num_sms: int) -> _Plan:
@@ -156,11 +172,25 @@ def plan(m: int, w: StreamWeight, config: StreamConfig, num_sms: int) -> _Plan:
     if kp % tk:
         raise ValueError(f"StreamConfig.tile_k={tk} does not divide the stored K={kp}")
     total = kp // tk
-    n_blocks = np_ // CTA_ROWS
-    splits = config.num_splits or max(1, math.ceil(2 * num_sms / n_blocks))
+    wg_rows = config.wg_rows or (128 if mp >= 32 else 64)
+    n_blocks = np_ // (COMPUTE_WGS * wg_rows)
+    # Auto: one wave (the ring takes most of an SM's SMEM: one CTA per SM), and f32 partials (S * N * Mp * 4 bytes,
+    # written and summed again) at most a quarter of the weight's bytes.
+    weight_bytes = np_ * kp * (4 if w.fmt == "int4" else 8 * jnp.dtype(w.wt.dtype).itemsize) // 8
+    splits = config.num_splits or max(1, min(num_sms // n_blocks, weight_bytes // (16 * np_ * mp)))
     splits = max(d for d in range(1, total + 1) if total % d == 0 and d <= splits)  # equal static step counts
     kb = max(w.group_size, 64) if w.fmt == "int4" else tk  # int4 blocks of 32 columns would be 16-byte rows
-    return _Plan(mp, tk, kb, total // splits, splits, n_blocks)
+    steps = total // splits
+    # SMEM: per slot x [Mp, tk] + weight [2 wg_rows, tk] (+ int4 scales / shifts), plus the f32 epilogue buffer and
+    # the optional bf16 A staging tile.
+    per_slot = mp * tk * 2 + 2 * wg_rows * tk * (4 if w.fmt == "int4" else 8 * jnp.dtype(w.wt.dtype).itemsize) // 8
+    if w.fmt == "int4":
+        per_slot += (1 + (w.zshift is not None)) * (tk // w.group_size) * 2 * wg_rows * 4
+    fixed = COMPUTE_WGS * wg_rows * (mp * 4 + (kb * 2 if config.a_via_smem and w.fmt != "bf16" else 0))
+    depth = min(config.max_concurrent_steps, steps)
+    while depth > min(2, steps) and depth * per_slot + fixed > SMEM_BYTES:
+        depth -= 1
+    return _Plan(mp, tk, kb, steps, splits, n_blocks, wg_rows, depth, depth * per_slot + fixed)
 
 
 # Layer 1: the kernel -----------------------------------------------------------------------------------------------
@@ -188,7 +218,7 @@ def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size):
         return a
     kb = a.shape[1]
     per_block = kb // group_size
-    rows = pl.ds(WG_ROWS * wg, WG_ROWS)
+    rows = pl.ds(a.shape[0] * wg, a.shape[0])
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # one value per row of the wgmma tile
     group_of_col = None
     if per_block > 1:
@@ -207,7 +237,7 @@ def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size):
     return (a32 * per_group(gs[0])).astype(compute_dtype)
 
 
-def _kernel(*refs, p: _Plan, depth, fmt, group_size, has_zeros, compute_dtype, a_via_smem):
+def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_smem):
     # x_gmem:  [Mp, Kp] compute dtype (rows >= M are zero)
     # w_gmem:  [Np, Kp] codes (module docstring)
     # s_gmem:  int4 [Kp/g, Np] f32 group scales;  z_gmem: int4 asymmetric [Kp/g, Np] f32 zero shifts
@@ -225,18 +255,19 @@ def _kernel(*refs, p: _Plan, depth, fmt, group_size, has_zeros, compute_dtype, a
         return plgpu.BlockSpec(shape, lambda kk: (row_block, (first + kk) * r + j), transforms=_swizzled(p.kb, dtype))
 
     specs = [block_spec((p.mp, p.kb), compute_dtype, j) for j in range(r)]
-    specs += [block_spec((CTA_ROWS, p.kb), w_gmem.dtype, j) for j in range(r)]
+    specs += [block_spec((p.cta_rows, p.kb), w_gmem.dtype, j) for j in range(r)]
     gmem_in = [x_gmem] * r + [w_gmem] * r
     if fmt == "int4":  # the step's group scales (and zero shifts): [r, 128] f32
         groups = p.tk // group_size  # [groups, 128] f32 per step
-        specs += [plgpu.BlockSpec((groups, CTA_ROWS), lambda kk: (first + kk, ni))] * (1 + has_zeros)
+        specs += [plgpu.BlockSpec((groups, p.cta_rows), lambda kk: (first + kk, ni))] * (1 + has_zeros)
         gmem_in += list(refs[2 : 3 + has_zeros])
 
     staged = a_via_smem and fmt != "bf16"
-    scoped = dict(out_smem=plgpu.SMEM((COMPUTE_WGS, WG_ROWS, p.mp), jnp.float32))  # [wg, 64, Mp], unswizzled
+    wr = p.wg_rows
+    scoped = dict(out_smem=plgpu.SMEM((COMPUTE_WGS, wr, p.mp), jnp.float32))  # [wg, wg_rows, Mp], unswizzled
     if staged:  # [wg, 64, kb] bf16, swizzled like x's block (wgmma wants equal A and B swizzles)
         scoped["a_staging"] = plgpu.SMEM(
-            (COMPUTE_WGS, WG_ROWS, p.kb), compute_dtype, transforms=_swizzled(p.kb, compute_dtype)
+            (COMPUTE_WGS, wr, p.kb), compute_dtype, transforms=_swizzled(p.kb, compute_dtype)
         )
 
     @functools.partial(pl.run_scoped, **scoped, collective_axes="wg")
@@ -249,7 +280,7 @@ def _kernel(*refs, p: _Plan, depth, fmt, group_size, has_zeros, compute_dtype, a
             xs, ws, gs = smem[:r], smem[r : 2 * r], smem[2 * r :]
             for j in range(r):
                 b = xs[j].transpose((1, 0))  # [kb, Mp]
-                w_rows = ws[j].at[pl.ds(wg * WG_ROWS, WG_ROWS)]  # [64, kb] codes in SMEM
+                w_rows = ws[j].at[pl.ds(wg * wr, wr)]  # [wg_rows, kb] codes in SMEM
                 if fmt == "bf16":  # already wgmma's dtype: A straight from the TMA slot
                     plgpu.wgmma(acc_ref, w_rows, b)
                 elif a_staging is None:
@@ -262,13 +293,13 @@ def _kernel(*refs, p: _Plan, depth, fmt, group_size, has_zeros, compute_dtype, a
             return acc_ref
 
         def compute_context(eval_pipeline):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((WG_ROWS, p.mp), jnp.float32))
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wr, p.mp), jnp.float32))
             def _acc_scope(acc_ref):
                 eval_pipeline(acc_ref)
                 out_smem[wg] = acc_ref[...]
                 plgpu.commit_smem()
-                row = si * np_ + ni * CTA_ROWS + wg * WG_ROWS
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row, WG_ROWS)])
+                row = si * np_ + ni * p.cta_rows + wg * wr
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row, wr)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         plgpu.emit_pipeline_warp_specialized(
@@ -278,7 +309,7 @@ def _kernel(*refs, p: _Plan, depth, fmt, group_size, has_zeros, compute_dtype, a
             in_specs=specs,
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WGS,
-            max_concurrent_steps=depth,  # clamped to the step count by the pipeline
+            max_concurrent_steps=p.depth,
             compute_context=compute_context,
         )(*gmem_in)
 
@@ -298,7 +329,6 @@ def _stream_call(x2, w: StreamWeight, config: StreamConfig, interpret, num_sms: 
     kernel = functools.partial(
         _kernel,
         p=p,
-        depth=config.max_concurrent_steps,
         fmt=w.fmt,
         group_size=w.group_size,
         has_zeros=w.zshift is not None,
@@ -330,18 +360,12 @@ def _stream_jit(x, w, *, config, interpret, num_sms):
 # Layer 3: the validated entry point --------------------------------------------------------------------------------
 
 
-def smem_bytes(m: int, w: StreamWeight, config: StreamConfig) -> int:
-    """SMEM of one CTA: the ring (x, weight and int4 scale blocks per slot) and the f32 epilogue buffer."""
-    p = plan(m, w, config, 1)
-    bits = 4 if w.fmt == "int4" else jnp.dtype(w.wt.dtype).itemsize * 8
-    per_step = p.mp * p.tk * 2 + CTA_ROWS * p.tk * bits // 8
-    if w.fmt == "int4":
-        per_step += (1 + (w.zshift is not None)) * (p.tk // w.group_size) * CTA_ROWS * 4
-    staging = COMPUTE_WGS * WG_ROWS * p.kb * 2 if config.a_via_smem and w.fmt != "bf16" else 0
-    return min(config.max_concurrent_steps, p.steps) * per_step + COMPUTE_WGS * WG_ROWS * p.mp * 4 + staging
+def smem_bytes(m: int, w: StreamWeight, config: StreamConfig, num_sms: int) -> int:
+    """SMEM of one CTA (ring slots after `plan` fitted them, epilogue and staging buffers)."""
+    return plan(m, w, config, num_sms).smem
 
 
-def _validate(x, w: StreamWeight, config: StreamConfig):
+def _validate(x, w: StreamWeight, config: StreamConfig, num_sms: int):
     if not isinstance(w, StreamWeight):
         raise ValueError(f"stream_matmul: w must be a StreamWeight (see prepare()), got {type(w).__name__}")
     if w.fmt not in FORMATS:
@@ -357,9 +381,9 @@ def _validate(x, w: StreamWeight, config: StreamConfig):
     rows = math.prod(x.shape[:-1])
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"stream_matmul: takes 1..{MAX_ROWS} rows of x (wgmma N <= 256), got {rows}")
-    need = smem_bytes(rows, w, config)
+    need = smem_bytes(rows, w, config, num_sms)
     if need > SMEM_BYTES:
-        raise ValueError(f"stream_matmul: {config} needs {need} bytes of SMEM > {SMEM_BYTES}; lower the ring depth")
+        raise ValueError(f"stream_matmul: {config} needs {need} bytes of SMEM > {SMEM_BYTES} even with 2 ring slots")
 
 
 def stream_matmul(x: jax.Array, w: StreamWeight, *, config: StreamConfig | None = None, backend: str | None = None):
@@ -381,9 +405,9 @@ def stream_matmul(x: jax.Array, w: StreamWeight, *, config: StreamConfig | None 
     config = config or StreamConfig()
     if backend == "xla":
         return stream_reference(x, w)
-    _validate(x, w, config)
     interpret = plgpu.InterpretGPUParams() if backend == "interpret" else None
-    num_sms = 4 if interpret is not None else _num_sms()
+    num_sms = INTERPRET_SMS if interpret is not None else _num_sms()
+    _validate(x, w, config, num_sms)
     return _stream_jit(x, w, config=config, interpret=interpret, num_sms=num_sms)
 
 

@@ -129,7 +129,7 @@ def test_prepare_keeps_the_logical_weight(case):
     _, fmt, k, n, g, asym, per_tensor = case
     values, scales, zeros = make_weight(np.random.default_rng(1), fmt, k, n, g, asym, per_tensor)
     w = sm.prepare(values, scales, zeros, fmt=fmt, group_size=g)
-    assert w.shape == (k, n) and w.wt.shape[0] % sm.CTA_ROWS == 0 and w.wt.shape[1] % sm.K_ALIGN == 0
+    assert w.shape == (k, n) and w.wt.shape[0] % sm.N_ALIGN == 0 and w.wt.shape[1] % sm.K_ALIGN == 0
     want = qmm.dequantize(values, scales, zeros, fmt=fmt, group_size=g)
     np.testing.assert_allclose(np.asarray(sm.dequantize(w)), np.asarray(want), rtol=1e-6, atol=1e-6)
 
@@ -165,14 +165,13 @@ def test_bad_inputs_raise():
         sm.stream_matmul(x.astype(jnp.float32), w, backend="interpret")
     with pytest.raises(ValueError, match="1..256 rows"):
         sm.stream_matmul(jnp.ones((257, 256), jnp.bfloat16), w, backend="interpret")
-    deep = sm.prepare(jnp.ones((4096, 64), jnp.int8), jnp.ones(64), fmt="int8")
-    with pytest.raises(ValueError, match="SMEM"):  # 8 slots of [128, 256] int8 + x: 290 KB
+    wide = sm.prepare(jnp.ones((1024, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="SMEM"):  # x's block alone is [256, 512] bf16 = 256 KB
         sm.stream_matmul(
-            jnp.ones((2, 4096), jnp.bfloat16),
-            deep,
-            config=sm.StreamConfig(tile_k=256, max_concurrent_steps=8),
-            backend="interpret",
+            jnp.ones((256, 1024), jnp.bfloat16), wide, config=sm.StreamConfig(tile_k=512), backend="interpret"
         )
+    with pytest.raises(ValueError, match="wg_rows"):
+        sm.StreamConfig(wg_rows=96)
     with pytest.raises(ValueError, match="does not divide"):
         sm.stream_matmul(x, w, config=sm.StreamConfig(tile_k=512), backend="interpret")
     with pytest.raises(ValueError, match="'triton'"):
