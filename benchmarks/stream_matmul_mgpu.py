@@ -2,12 +2,13 @@
 
     PYTHONPATH=. python3 benchmarks/stream_matmul_mgpu.py --out $OUT/stream_matmul_mgpu.json [--budget_s 220]
 
-Order (the JSON is rewritten after every stage, so a run cut short keeps what it measured):
+Order (the JSON is rewritten after every case, so a run cut short keeps what it measured):
     1. check: the new kernel against quantized_matmul.reference on real and odd shapes, every format, A handed to
        wgmma from registers; a format whose register path fails (compile or error) is retried with A through
        SMEM (`a_via_smem`) and timed that way.
     2. the new kernel, default config, every format x the four Llama-3-8B layer shapes x M = 1, 64.
-    3. peers in the same run: XLA bf16 dot, torch cuBLAS bf16 (and cuBLASLt fp8), the Triton kernel (default tiles).
+    3. peers in the same run: XLA bf16 dot, torch cuBLAS bf16 (and cuBLASLt fp8), then the Triton kernel (default
+       tiles, --triton_formats) while the budget lasts.
     4. a config sweep of the new kernel (tile_k, ring depth, K splits, A path) in the time left of --budget_s.
 Timing rule, weight bytes and formats are benchmarks/quantized_matmul.py's (C copies of the weight >= 160 MB per
 timed call, so every matmul reads HBM; bytes = the stored values + scales + zero points in the model's layout).
@@ -96,7 +97,8 @@ def time_case(fmt_name, k, n, m, configs, deadline, interpret):
     for config in configs:
         if tried and time.time() > deadline:
             break
-        try:
+        try:  # _validate first: a config over the SMEM budget fails in microseconds, not after a compile
+            sm._validate(x, weights[0], config, 4 if interpret is not None else sm._num_sms())
             tried.append((config, qbench.stream_seconds(ours(config, interpret), x, weights)))
         except Exception as e:  # a config over the SMEM or register budget is skipped, not fatal
             print(f"  {fmt_name} {k}x{n} M={m} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -128,7 +130,7 @@ def print_table(rows, shapes):
         print(f"{impl + ':' + fmt:28s}" + "".join(cells))
 
 
-def peer_rows(formats, shapes, deadline):
+def peer_rows(formats, shapes, deadline, dump):
     """XLA bf16 and torch (cuBLAS bf16, cuBLASLt fp8) on every case, then the Triton kernel while time is left."""
     peers = []
     for k, n in shapes:
@@ -141,6 +143,7 @@ def peer_rows(formats, shapes, deadline):
     qbench.torch_rows(peers)  # rows without a fmt: name it from the impl
     for r in peers:
         r.setdefault("fmt", "fp8" if "fp8" in r["impl"] else "bf16")
+    dump(peers)
     for name in formats:
         for k, n in shapes:
             for m in (1, 64):
@@ -155,6 +158,8 @@ def peer_rows(formats, shapes, deadline):
                     continue
                 b = qbench.nbytes(weights[0])
                 peers.append(dict(impl="triton", fmt=name, k=k, n=n, m=m, seconds=sec, bytes=b, tb_s=b / sec / 1e12))
+                print(f"triton {name:14s} {k:5d}x{n:<5d} M={m:<3d} {b / sec / 1e12:.2f} TB/s", flush=True)
+                dump(peers)
     return peers
 
 
@@ -164,6 +169,7 @@ def main(argv=None):
     parser.add_argument("--budget_s", type=float, default=220.0, help="wall-clock budget of the whole run")
     parser.add_argument("--formats", default=",".join(FORMAT_NAMES))
     parser.add_argument("--skip_peers", action="store_true")
+    parser.add_argument("--triton_formats", default="bf16,int8,int4_g128", help="formats timed on the Triton kernel")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes through the interpreter")
     args = parser.parse_args(argv)
     t0 = time.time()
@@ -186,12 +192,14 @@ def main(argv=None):
             best[case] = (tried[0][0], tried[0][1], nbytes, [(dataclasses.asdict(c), s) for c, s in tried])
             print(f"mgpu default {case[0]:14s} {case[1]:5d}x{case[2]:<5d} M={case[3]:<3d} "
                   f"{nbytes / tried[0][1] / 1e12:.2f} TB/s", flush=True)  # fmt: skip
+            qbench.dump(args.out, result | dict(rows=rows_of(best)))
     result["rows"] = rows_of(best)
-    qbench.dump(args.out, result)
 
     if not args.skip_peers and not args.smoke:  # stage 3: peers of the same run
-        result["peers"] = peer_rows(formats, shapes, deadline)
-        qbench.dump(args.out, result)
+        triton = [f for f in args.triton_formats.split(",") if f]
+        result["peers"] = peer_rows(triton, shapes, deadline, lambda p: qbench.dump(args.out, result | dict(peers=p)))
+        for r in result["peers"]:
+            print(f"{r['impl']:20s} {r['fmt']:14s} {r['k']:5d}x{r['n']:<5d} M={r['m']:<3d} {r['tb_s']:.2f} TB/s")
 
     for i, case in enumerate(list(best)):  # stage 4: sweep in the time left, an equal share per case
         if time.time() > deadline:
@@ -206,7 +214,8 @@ def main(argv=None):
         best[case] = (top[0], top[1], nbytes, tried_rows)
         print(f"mgpu sweep({len(tried_rows)}) {case[0]:14s} {case[1]:5d}x{case[2]:<5d} M={case[3]:<3d} "
               f"{nbytes / top[1] / 1e12:.2f} TB/s {top[0]}", flush=True)  # fmt: skip
-    result["rows"] = rows_of(best)
+        qbench.dump(args.out, result | dict(rows=rows_of(best)))
+    result["rows"] = rows_of(best)  # stage 2's rows were dumped as they came; these are the bests after the sweep
     result["sweep"] = [dict(fmt=c[0], k=c[1], n=c[2], m=c[3], tried=v[3]) for c, v in best.items()]
     result["elapsed_s"] = time.time() - t0
     qbench.dump(args.out, result)

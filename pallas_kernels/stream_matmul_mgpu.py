@@ -49,6 +49,7 @@ K_ALIGN = 256  # K padding of the stored weight: every tile_k (64, 128, 256; int
 MAX_ROWS = 256  # wgmma N limit: rows of x per call
 MEMORY_REGISTERS = 40
 SMEM_BYTES = 227 * 1024
+SMEM_RESERVE = 1024  # the pipeline's barriers and alignment (Mosaic GPU counted 48 bytes over a 227 KB estimate)
 KERNEL_NAME = "stream_matmul_mgpu"
 INTERPRET_SMS = 4  # "SMs" in the interpreter: few, so that small tests still split K
 _CODE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
@@ -181,12 +182,13 @@ def plan(m: int, w: StreamWeight, config: StreamConfig, num_sms: int) -> _Plan:
     splits = max(d for d in range(1, total + 1) if total % d == 0 and d <= splits)  # equal static step counts
     kb = max(w.group_size, 64) if w.fmt == "int4" else tk  # int4 blocks of 32 columns would be 16-byte rows
     steps = total // splits
-    # SMEM: per slot x [Mp, tk] + weight [2 wg_rows, tk] (+ int4 scales / shifts), plus the f32 epilogue buffer and
-    # the optional bf16 A staging tile.
+    # SMEM: per slot x [Mp, tk] + weight [2 wg_rows, tk] (+ int4 scales / shifts), plus the f32 epilogue buffer,
+    # the optional bf16 A staging tile and the barriers.
     per_slot = mp * tk * 2 + 2 * wg_rows * tk * (4 if w.fmt == "int4" else 8 * jnp.dtype(w.wt.dtype).itemsize) // 8
     if w.fmt == "int4":
         per_slot += (1 + (w.zshift is not None)) * (tk // w.group_size) * 2 * wg_rows * 4
-    fixed = COMPUTE_WGS * wg_rows * (mp * 4 + (kb * 2 if config.a_via_smem and w.fmt != "bf16" else 0))
+    staging = kb * 2 if config.a_via_smem and w.fmt != "bf16" else 0
+    fixed = COMPUTE_WGS * wg_rows * (mp * 4 + staging) + SMEM_RESERVE
     depth = min(config.max_concurrent_steps, steps)
     while depth > min(2, steps) and depth * per_slot + fixed > SMEM_BYTES:
         depth -= 1
