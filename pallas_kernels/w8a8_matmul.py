@@ -24,7 +24,8 @@ one CTA per SM walks the (row block, column block) tiles of the output; per tile
     wg 2     (memory): TMA-loads xq and wq_nk tiles into a ring of `max_concurrent_steps` SMEM slots.
 
 M needs no padding to the tile: the last row block's loads read past M (TMA fills zeros) and its stores write
-only the valid rows (grouped_matmul.store_rows: one TMA box per set bit of the row count). N must be a multiple of
+only the valid rows (grouped_matmul.store_rows: one TMA box per set bit of the row count; or, with
+`swizzled_epilogue`, whole boxes that the TMA unit clips at M). N must be a multiple of
 2 * tile_n and K of tile_k (ValueError otherwise): the Llama-3-8B layer shapes are.
 
 Interpreter (CPU tests, backend="interpret"): jax 0.11.2's Mosaic GPU interpreter runs the kernel unchanged.
@@ -64,6 +65,10 @@ class W8A8Config:
         delay_release: 1 keeps one wgmma in flight across steps (a slot is released one step later).
         grid_minor_m: the persistent loop walks M fastest (True) or N fastest, in strips of `grid_tile_width`.
         grid_tile_width: strip width of that walk (L2 reuse of xq and wq between CTAs running together).
+        swizzled_epilogue: stage the output in 128-byte-swizzled SMEM (bank-conflict-free register stores) and
+            store whole [tile_m, epi_n] boxes, leaving the rows past M of the last row block to the TMA unit's
+            bounds check (a tensor store never writes outside the array); False stages it unswizzled and writes
+            only the valid rows (grouped_matmul.store_rows), the path grouped_matmul runs on the H200.
 
     The defaults are the structure of grouped_matmul's measured best with the K tile doubled to 128 bytes; they
     are not yet tuned on a GPU for 8-bit (benchmarks/w8a8_matmul.py sweeps them).
@@ -77,6 +82,7 @@ class W8A8Config:
     delay_release: int = 1
     grid_minor_m: bool = True
     grid_tile_width: int = 8
+    swizzled_epilogue: bool = False
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -156,7 +162,7 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=allocs,
-        out_smem=plgpu.SMEM((COMPUTE_WGS, tm, cfg.epi_n), out_gmem.dtype),  # [wg, tile_m, epi_n], unswizzled
+        out_smem=plgpu.SMEM((COMPUTE_WGS, tm, cfg.epi_n), out_gmem.dtype, transforms=_out_transforms(cfg, out_gmem)),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, out_smem):
@@ -182,7 +188,11 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
                     eval_pipeline(acc_ref)
                     acc = acc_ref[...].astype(jnp.float32)  # int32 -> f32 rounds to 24 bits, far finer than bf16
                     acc = acc * lax.broadcast_in_dim(xs, (tm, tn), [0]) * lax.broadcast_in_dim(ws, (tm, tn), [1])
-                    gm.store_rows(out_smem.at[wg], out_gmem, cfg, mi * tm, 0, rows, col, acc.astype(out_gmem.dtype))
+                    out = acc.astype(out_gmem.dtype)
+                    if cfg.swizzled_epilogue:
+                        _store_boxes(out_smem.at[wg], out_gmem, cfg, mi * tm, col, out)
+                    else:
+                        gm.store_rows(out_smem.at[wg], out_gmem, cfg, mi * tm, 0, rows, col, out)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
                 # a_smem: [tile_m, tile_k]; b_smem: [2 * tile_n, tile_k] K-major, this warpgroup's half of its rows.
@@ -193,6 +203,25 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
             pipeline(mma_body, compute_context, mi, ni)(xq_gmem, wq_gmem, allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _out_transforms(cfg: W8A8Config, out_gmem):
+    """out_smem [wg, tile_m, epi_n]: 128-byte swizzled tiles for the swizzled epilogue, else plain rows."""
+    if not cfg.swizzled_epilogue:
+        return ()
+    swizzle = plgpu.find_swizzle(cfg.epi_n * jnp.dtype(out_gmem.dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(out_gmem.dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _store_boxes(out_smem, out_gmem, cfg: W8A8Config, row0, col0, tile):
+    """Writes `tile` [tile_m, tile_n] (registers) to out_gmem[row0:, col0:] as whole [tile_m, epi_n] TMA boxes."""
+    # out_smem: [tile_m, epi_n] this warpgroup's swizzled staging buffer
+    for c in range(cfg.tile_n // cfg.epi_n):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's store has read out_smem
+        out_smem[...] = tile[:, c * cfg.epi_n : (c + 1) * cfg.epi_n]
+        plgpu.commit_smem()
+        rows, cols = pl.ds(row0, cfg.tile_m), pl.ds(col0 + c * cfg.epi_n, cfg.epi_n)
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[rows, cols])
 
 
 # Layer 2: the pallas_call builder ----------------------------------------------------------------------------------
@@ -289,6 +318,7 @@ def w8a8_matmul(
     n = wq.shape[-1] if wq_layout == "kn" else wq.shape[0]
     cfg = config or W8A8Config.for_shape(n)
     _validate(xq, wq, x_scale, w_scale, wq_layout, out_dtype, cfg)
+    cfg = gm.one_step_safe(cfg, xq.shape[1])
     if backend == "xla":
         return reference(xq, wq, x_scale, w_scale, wq_layout=wq_layout, out_dtype=out_dtype)
     if xq.shape[0] == 0:

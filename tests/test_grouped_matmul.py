@@ -69,6 +69,8 @@ CASES = [
         id="ring3_no_delay_n_minor",
     ),
     pytest.param(1, 64, 128, [0, 1], SMALL, id="single_row"),
+    # K = tile_k: a one-step K loop over many work items per SM (delay_release must drop to 0: one_step_safe).
+    pytest.param(333, 64, 512, [200, 133], SMALL, id="one_k_step_many_items"),
 ]
 
 

@@ -45,6 +45,7 @@ def _rel(a, b, axis=None):
 
 
 SMALL = wm.W8A8Config(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2)
+SWIZZLED = wm.W8A8Config(tile_m=64, tile_n=128, max_concurrent_steps=2, swizzled_epilogue=True)
 
 # (fmt, M, K, N, config, per-tensor weight scale, static activation scale): M breaks the row tile on purpose.
 CASES = [
@@ -52,6 +53,8 @@ CASES = [
     pytest.param("int8", 333, 384, 128, SMALL, False, False, id="int8_M333_K384"),
     pytest.param("fp8", 1, 128, 128, SMALL, True, True, id="fp8_M1_per_tensor_static"),
     pytest.param("int8", 130, 128, 256, wm.W8A8Config(max_concurrent_steps=2), False, True, id="int8_tile128"),
+    pytest.param("fp8", 200, 256, 256, SWIZZLED, False, False, id="fp8_M200_swizzled_epilogue"),
+    pytest.param("int8", 333, 128, 512, SWIZZLED, True, False, id="int8_M333_swizzled_epilogue"),
     pytest.param(
         "fp8",
         77,
@@ -104,11 +107,19 @@ class TestInterpreted(W8A8MatmulBase):
 class TestGpu(W8A8MatmulBase):
     backend = "mosaic_gpu"
 
-    @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-    @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)])
-    def test_llama_shapes(self, fmt, k, n):
+    @pytest.mark.parametrize(
+        "fmt,k,n,swizzled",
+        [
+            (f, k, n, False)
+            for f in ("fp8", "int8")
+            for k, n in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
+        ]
+        + [("fp8", 4096, 14336, True), ("int8", 14336, 4096, True)],
+    )
+    def test_llama_shapes(self, fmt, k, n, swizzled):
         xq, wq, xs, ws, _ = _inputs(fmt, 4000, k, n, seed=k + n)  # 4000: a partial last row block
-        out = wm.w8a8_matmul(xq, wq, xs, ws, backend="mosaic_gpu")
+        cfg = wm.W8A8Config(swizzled_epilogue=swizzled)
+        out = wm.w8a8_matmul(xq, wq, xs, ws, config=cfg, backend="mosaic_gpu")
         assert np.isfinite(np.asarray(out, np.float32)).all()
         assert _rel(out, wm.reference(xq, wq, xs, ws)) < 1e-2
 
