@@ -21,8 +21,9 @@ torch.cuda.synchronize, for torch):
     quantize_{fp8,int8}_us       the per-token activation quantiser on bf16 x [M, K] (not in any TFLOP/s figure)
 
 Before any timing, every kernel output is checked against `w8a8_matmul.reference` (norm-relative error < 1e-2; a
-failure is recorded and that row is not timed). `--sweep_seconds` bounds a small config sweep (tile sizes, ring
-depth, grid walk) run after the main table on the shapes, in order, until the budget is spent.
+failure is recorded and that row is not timed). `--sweep_seconds` bounds a small config sweep (epilogue, tile sizes,
+ring depth, grid walk; on `--sweep_shapes`) run after the main table, most promising config first, until the budget
+is spent.
 
 `--smoke` runs a tiny shape through the Mosaic GPU interpreter, to check this script on a CPU.
 """
@@ -50,15 +51,17 @@ SHAPES = [("q_o_4096x4096", 4096, 4096), ("k_v_4096x1024", 4096, 1024), ("gate_u
 SHAPES.append(("down_14336x4096", 14336, 4096))
 SMOKE = dict(m=200, shapes=[("smoke_256x256", 256, 256)])
 Cfg = wm.W8A8Config
-SWEEP = [
+SWEEP = [  # most promising first: the budget may stop the sweep part way
+    Cfg(swizzled_epilogue=True),
     Cfg(max_concurrent_steps=3),
-    Cfg(tile_m=64, tile_n=256, max_concurrent_steps=2),
-    Cfg(tile_m=64, tile_n=128, max_concurrent_steps=5),
-    Cfg(grid_tile_width=16),
-    Cfg(grid_minor_m=False),
-    Cfg(delay_release=0),
-    Cfg(tile_k=64, max_concurrent_steps=6),
+    Cfg(tile_m=64, tile_n=256, max_concurrent_steps=2, swizzled_epilogue=True),
+    Cfg(grid_tile_width=16, swizzled_epilogue=True),
+    Cfg(grid_minor_m=False, swizzled_epilogue=True),
+    Cfg(tile_m=64, tile_n=128, max_concurrent_steps=5, swizzled_epilogue=True),
+    Cfg(delay_release=0, swizzled_epilogue=True),
+    Cfg(tile_k=64, max_concurrent_steps=6, swizzled_epilogue=True),
 ]
+SWEEP_SHAPES = "gate_up_4096x14336,q_o_4096x4096"
 SMOKE_CFG = Cfg(tile_m=64, tile_n=64, max_concurrent_steps=2)
 
 
@@ -179,10 +182,11 @@ def bench_shape(name, m, k, n, backend, cfg=None):
 
 
 def sweep(shapes, m, backend, seconds: float):
-    """Configs beyond the default, per shape and format (kernel on [N, K] weights), until `seconds` are spent."""
+    """Configs beyond the default (config-major, then shape and format; kernel on [N, K] weights) until `seconds`
+    are spent."""
     results, deadline = [], time.monotonic() + seconds
-    for name, k, n in shapes:
-        for cfg in SWEEP:
+    for cfg in SWEEP:
+        for name, k, n in shapes:
             for fmt in ("fp8", "int8"):
                 if time.monotonic() > deadline:
                     return results
@@ -213,6 +217,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny shape in the Mosaic GPU interpreter (CPU)")
     parser.add_argument("--shapes", default="", help="comma-separated subset of shape names")
     parser.add_argument("--sweep_seconds", type=float, default=45.0, help="time budget of the config sweep (0: none)")
+    parser.add_argument("--sweep_shapes", default=SWEEP_SHAPES, help="comma-separated shapes the sweep runs on")
     args = parser.parse_args()
     m, shapes, backend = (SMOKE["m"], SMOKE["shapes"], "interpret") if args.smoke else (M, SHAPES, "mosaic_gpu")
     if args.shapes:
@@ -233,7 +238,8 @@ def main() -> int:
         result["rows"].append(bench_shape(name, m, k, n, backend, cfg))
         write()
     if args.sweep_seconds > 0 and not args.smoke:
-        result["sweep"] = sweep(shapes, m, backend, args.sweep_seconds)
+        sweep_shapes = [s for s in SHAPES if s[0] in args.sweep_shapes.split(",")]
+        result["sweep"] = sweep(sweep_shapes, m, backend, args.sweep_seconds)
         write()
     print(summary(result["rows"]), flush=True)
     return 0
