@@ -224,3 +224,21 @@ def test_quant_matmul_takes_the_kernel_for_prefill(monkeypatch, method):
     assert calls == ["kn"]
     if method == "fp8_dynamic":  # a weight with the streaming kernel's [N, K] copy is read as is, not transposed
         assert _rel(quant.matmul(x, quant.with_stream_layout(q)), ref) < 2e-2 and calls == ["kn", "nk"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU (Mosaic GPU wgmma)")
+@pytest.mark.parametrize("method", ["smoothquant_int8", "fp8_dynamic"])
+def test_quant_matmul_prefill_on_gpu(method):
+    """On the GPU, model/quant.py's W8A8 path at prefill size runs the kernel and agrees with its oracle."""
+    from model import quant  # noqa: PLC0415
+    from model import quant_methods as qm  # noqa: PLC0415
+
+    kx, kw = jax.random.split(jax.random.key(11))
+    x = jax.random.normal(kx, (3, 700, 1024), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (1024, 2048), jnp.float32) * 1024**-0.5
+    calib = x.reshape(-1, 1024)[:512].astype(jnp.float32)
+    q = qm.smoothquant(w, calib) if method == "smoothquant_int8" else qm.fp8_w8a8(w, calib)
+    assert quant.use_w8a8_kernel(q, 2100, x.dtype, x.dtype)
+    out = jax.jit(quant.matmul)(x, q)
+    assert _rel(out, quant.reference_matmul(x, q)) < 2e-2
