@@ -19,7 +19,7 @@ Grid (Np / 2R, S): CTA (i, s) owns rows [2R i, 2R i + 2R) of out^T and K steps [
              (bf16 weights: A straight from SMEM; e4m3 goes through f16, the only conversion Hopper has; exact)
              int4: a = (c' - zshift[group]) * scale[group] in f32, rounded once to bf16, then wgmma: the same
                    numbers as dequantising the weight to bf16 first (one rounding per weight element).
-    epilogue: acc -> SMEM -> partials [S * Np, Mp] f32 (TMA store).
+    epilogue: acc -> SMEM in 16-column chunks -> partials [S * Np, Mp] f32 (TMA stores).
 After the kernel, one XLA fusion: sum the S partials, multiply by the int8 / fp8 per-channel scale (exact, f32),
 transpose to [M, N] and cast. f32 partials cost S * N * Mp * 4 bytes (`plan` keeps them under a quarter of the
 weight's bytes) and a second small kernel per call.
@@ -60,15 +60,14 @@ class StreamConfig:
     """Tiles of the streaming kernel (a static argument).
 
     Attributes:
-        tile_k: K columns per pipeline step (64, 128 or 256; int4 at least one group and a multiple of it).
+        tile_k: most K columns per pipeline step (64..512; int4 at least one group); halved where SMEM needs it.
         max_concurrent_steps: most SMEM ring slots (fewer where SMEM does not hold them; bytes in flight per SM =
             slots * 2 * wg_rows * tile_k * weight bytes).
         num_splits: K splits across CTAs (f32 partials summed after); 0 picks one wave of CTAs, fewer where the
             partials would pass a quarter of the weight's bytes (`plan`).
         a_via_smem: int8 / fp8 / int4 hand the converted A tile to wgmma through SMEM instead of registers (what
             the interpreter always does; on the GPU a fallback and a point of the sweep).
-        wg_rows: rows of N per compute warpgroup, 64 or 128 (one or two wgmma row tiles); 0: 128 from 32 rows of
-            x up (x's block is re-read per CTA: wider CTAs read it fewer times), else 64.
+        wg_rows: rows of N per compute warpgroup, 64 or 128 (one or two wgmma row tiles); 0: `plan` picks.
     """
 
     tile_k: int = 128
@@ -163,36 +162,53 @@ class _Plan:
 
 
 def plan(m: int, w: StreamWeight, config: StreamConfig, num_sms: int) -> _Plan:
-    np_, kp = w.wt.shape
+    """The call's geometry. tile_k and the ring depth are upper bounds: both shrink until the ring fits in SMEM
+    (x's block grows with M: at 256 rows a [256, 128] bf16 block is 64 KB a slot)."""
     mp = max(8, -(-m // 8) * 8)
-    tk = config.tile_k
+    # 128 rows a warpgroup halve the CTAs that re-read x's block; not past 128 rows of x (an f32 acc of [128, Mp]
+    # is Mp regs a thread) and not for int4, whose f32 dequantisation of a [128, kb] tile alone is 128 regs.
+    wg_rows = config.wg_rows or (128 if 32 <= mp <= 128 and w.fmt != "int4" else 64)
+    tk, floor = config.tile_k, 64
     if w.fmt == "int4":
-        tk = max(tk, w.group_size)
+        tk, floor = max(tk, w.group_size), max(64, w.group_size)
         if tk % w.group_size:
             raise ValueError(f"StreamConfig.tile_k={tk} must be a multiple of the int4 group size {w.group_size}")
-    if kp % tk:
-        raise ValueError(f"StreamConfig.tile_k={tk} does not divide the stored K={kp}")
+    if w.wt.shape[1] % tk:
+        raise ValueError(f"StreamConfig.tile_k={tk} does not divide the stored K={w.wt.shape[1]}")
+    p = _fit(mp, tk, wg_rows, w, config, num_sms)
+    while p.smem > SMEM_BYTES and p.tk > floor:
+        p = _fit(mp, p.tk // 2, wg_rows, w, config, num_sms)
+    return p
+
+
+def _fit(mp: int, tk: int, wg_rows: int, w: StreamWeight, config: StreamConfig, num_sms: int) -> _Plan:
+    np_, kp = w.wt.shape
     total = kp // tk
-    wg_rows = config.wg_rows or (128 if mp >= 32 else 64)
     n_blocks = np_ // (COMPUTE_WGS * wg_rows)
     # Auto: one wave (the ring takes most of an SM's SMEM: one CTA per SM), and f32 partials (S * N * Mp * 4 bytes,
     # written and summed again) at most a quarter of the weight's bytes.
-    weight_bytes = np_ * kp * (4 if w.fmt == "int4" else 8 * jnp.dtype(w.wt.dtype).itemsize) // 8
+    bits = 4 if w.fmt == "int4" else 8 * jnp.dtype(w.wt.dtype).itemsize
+    weight_bytes = np_ * kp * bits // 8
     splits = config.num_splits or max(1, min(num_sms // n_blocks, weight_bytes // (16 * np_ * mp)))
     splits = max(d for d in range(1, total + 1) if total % d == 0 and d <= splits)  # equal static step counts
     kb = max(w.group_size, 64) if w.fmt == "int4" else tk  # int4 blocks of 32 columns would be 16-byte rows
     steps = total // splits
     # SMEM: per slot x [Mp, tk] + weight [2 wg_rows, tk] (+ int4 scales / shifts), plus the f32 epilogue buffer,
     # the optional bf16 A staging tile and the barriers.
-    per_slot = mp * tk * 2 + 2 * wg_rows * tk * (4 if w.fmt == "int4" else 8 * jnp.dtype(w.wt.dtype).itemsize) // 8
+    per_slot = mp * tk * 2 + COMPUTE_WGS * wg_rows * tk * bits // 8
     if w.fmt == "int4":
-        per_slot += (1 + (w.zshift is not None)) * (tk // w.group_size) * 2 * wg_rows * 4
+        per_slot += (1 + (w.zshift is not None)) * (tk // w.group_size) * COMPUTE_WGS * wg_rows * 4
     staging = kb * 2 if config.a_via_smem and w.fmt != "bf16" else 0
-    fixed = COMPUTE_WGS * wg_rows * (mp * 4 + staging) + SMEM_RESERVE
+    fixed = COMPUTE_WGS * wg_rows * (_epi_cols(mp) * 4 + staging) + SMEM_RESERVE
     depth = min(config.max_concurrent_steps, steps)
     while depth > min(2, steps) and depth * per_slot + fixed > SMEM_BYTES:
         depth -= 1
     return _Plan(mp, tk, kb, steps, splits, n_blocks, wg_rows, depth, depth * per_slot + fixed)
+
+
+def _epi_cols(mp: int) -> int:
+    """Columns of out^T per epilogue chunk (f32 SMEM staging of [wg_rows, 16] instead of [wg_rows, Mp])."""
+    return 16 if mp % 16 == 0 else 8
 
 
 # Layer 1: the kernel -----------------------------------------------------------------------------------------------
@@ -266,7 +282,8 @@ def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_sm
 
     staged = a_via_smem and fmt != "bf16"
     wr = p.wg_rows
-    scoped = dict(out_smem=plgpu.SMEM((COMPUTE_WGS, wr, p.mp), jnp.float32))  # [wg, wg_rows, Mp], unswizzled
+    epi = _epi_cols(p.mp)
+    scoped = dict(out_smem=plgpu.SMEM((COMPUTE_WGS, wr, epi), jnp.float32))  # [wg, wg_rows, epi], unswizzled
     if staged:  # [wg, 64, kb] bf16, swizzled like x's block (wgmma wants equal A and B swizzles)
         scoped["a_staging"] = plgpu.SMEM(
             (COMPUTE_WGS, wr, p.kb), compute_dtype, transforms=_swizzled(p.kb, compute_dtype)
@@ -298,11 +315,13 @@ def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_sm
             @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wr, p.mp), jnp.float32))
             def _acc_scope(acc_ref):
                 eval_pipeline(acc_ref)
-                out_smem[wg] = acc_ref[...]
-                plgpu.commit_smem()
+                acc = acc_ref[...]  # [wg_rows, Mp] f32
                 row = si * np_ + ni * p.cta_rows + wg * wr
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row, wr)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for c in range(p.mp // epi):  # column chunks: a whole [wg_rows, Mp] f32 buffer is 128 KB at Mp 256
+                    out_smem[wg] = acc[:, c * epi : (c + 1) * epi]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(row, wr), pl.ds(c * epi, epi)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is rewritten by the next chunk
 
         plgpu.emit_pipeline_warp_specialized(
             mma_body,
@@ -383,9 +402,13 @@ def _validate(x, w: StreamWeight, config: StreamConfig, num_sms: int):
     rows = math.prod(x.shape[:-1])
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"stream_matmul: takes 1..{MAX_ROWS} rows of x (wgmma N <= 256), got {rows}")
+    if config.wg_rows * max(8, -(-rows // 8) * 8) > 128 * 128:
+        raise ValueError(f"stream_matmul: wg_rows={config.wg_rows} with {rows} rows of x needs > 128 acc regs a thread")
     need = smem_bytes(rows, w, config, num_sms)
     if need > SMEM_BYTES:
-        raise ValueError(f"stream_matmul: {config} needs {need} bytes of SMEM > {SMEM_BYTES} even with 2 ring slots")
+        raise ValueError(
+            f"stream_matmul: {config} needs {need} bytes of SMEM > {SMEM_BYTES} even at 2 slots of tile_k 64"
+        )
 
 
 def stream_matmul(x: jax.Array, w: StreamWeight, *, config: StreamConfig | None = None, backend: str | None = None):

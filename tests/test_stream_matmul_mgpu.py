@@ -152,7 +152,7 @@ def test_config_validates():
         sm.StreamConfig(num_splits=-2)
 
 
-def test_bad_inputs_raise():
+def test_bad_inputs_raise(monkeypatch):
     rng = np.random.default_rng(0)
     values, scales, _ = make_weight(rng, "int8", 256, 64, 0, False, False)
     w = sm.prepare(values, scales, fmt="int8")
@@ -166,16 +166,21 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="1..256 rows"):
         sm.stream_matmul(jnp.ones((257, 256), jnp.bfloat16), w, backend="interpret")
     wide = sm.prepare(jnp.ones((1024, 64), jnp.bfloat16))
-    with pytest.raises(ValueError, match="SMEM"):  # x's block alone is [256, 512] bf16 = 256 KB
-        sm.stream_matmul(
-            jnp.ones((256, 1024), jnp.bfloat16), wide, config=sm.StreamConfig(tile_k=512), backend="interpret"
-        )
+    p = sm.plan(256, wide, sm.StreamConfig(tile_k=512), 132)  # x's [256, 512] bf16 block alone is 256 KB
+    assert p.tk < 512 and p.smem <= sm.SMEM_BYTES, p
     with pytest.raises(ValueError, match="wg_rows"):
         sm.StreamConfig(wg_rows=96)
     with pytest.raises(ValueError, match="does not divide"):
         sm.stream_matmul(x, w, config=sm.StreamConfig(tile_k=512), backend="interpret")
     with pytest.raises(ValueError, match="'triton'"):
         sm.stream_matmul(x, w, backend="triton")
+    with pytest.raises(ValueError, match="acc regs"):
+        sm.stream_matmul(
+            jnp.ones((256, 1024), jnp.bfloat16), wide, config=sm.StreamConfig(wg_rows=128), backend="interpret"
+        )
+    monkeypatch.setattr(sm, "SMEM_BYTES", 32 * 1024)
+    with pytest.raises(ValueError, match="SMEM"):
+        sm.stream_matmul(jnp.ones((64, 1024), jnp.bfloat16), wide, backend="interpret")
     with pytest.raises(ValueError, match="group_size"):
         sm.prepare(jnp.ones((64, 16), jnp.uint8), jnp.ones((1, 16)), fmt="int4", group_size=48)
 
@@ -189,6 +194,9 @@ LOWER_CASES = [
         ("int4", 1, 4096, 4096, 128, False, False),
         ("int4", 64, 4096, 4096, 32, True, False),
         ("int4", 17, 4096, 1024, 64, True, True),
+        ("int4", 256, 4096, 1024, 128, True, False),
+        ("bf16", 256, 4096, 1024, 0, False, False),
+        ("fp8", 128, 4096, 4096, 0, False, True),
     )
 ]
 
