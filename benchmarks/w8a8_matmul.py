@@ -53,6 +53,8 @@ SMOKE = dict(m=200, shapes=[("smoke_256x256", 256, 256)])
 Cfg = wm.W8A8Config
 SWEEP = [  # most promising first: the budget may stop the sweep part way
     Cfg(swizzled_epilogue=True),
+    Cfg(cluster_m=2, swizzled_epilogue=True),
+    Cfg(cluster_m=2),
     Cfg(max_concurrent_steps=3),
     Cfg(tile_m=64, tile_n=256, max_concurrent_steps=2, swizzled_epilogue=True),
     Cfg(grid_tile_width=16, swizzled_epilogue=True),

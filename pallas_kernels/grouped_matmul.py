@@ -176,11 +176,12 @@ def _kernel(num_tiles_gmem, meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, cfg: Gro
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def k_pipeline(cfg, k, dtype, body, compute_context, block, col_block, *, b_k_major: bool = False):
+def k_pipeline(cfg, k, dtype, body, compute_context, block, col_block, *, b_k_major: bool = False, b_collective=()):
     """The warp-specialised K loop of one work item: A = lhs rows of `block`, B = columns `col_block` of rhs[g].
 
     `b_k_major`: B arrives as [N, K] (K contiguous) and its ring slots are [2 * tile_n, tile_k]; 8-bit wgmma
     (fp8, int8) takes only K-major operands (pallas_kernels/w8a8_matmul.py, which shares this builder).
+    `b_collective`: cluster axes over which the CTAs load the same B tile once, multicast (w8a8's cluster_m = 2).
     """
     swizzle = plgpu.find_swizzle(cfg.tile_k * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
@@ -194,6 +195,7 @@ def k_pipeline(cfg, k, dtype, body, compute_context, block, col_block, *, b_k_ma
         (lambda kk: (col_block, kk)) if b_k_major else (lambda kk: (kk, col_block)),
         transforms=transforms,
         delay_release=cfg.delay_release,
+        collective_axes=b_collective,
     )
     return plgpu.emit_pipeline_warp_specialized(
         body,

@@ -16,7 +16,8 @@ kernel takes the weight as wq_nk [N, K]; `w8a8_matmul(..., wq_layout="kn")` tran
 tile_k = 128 gives the 128-byte swizzle.
 
 Structure (shared with pallas_kernels/grouped_matmul.py, whose pipeline builder and ladder stores it reuses):
-one CTA per SM walks the (row block, column block) tiles of the output; per tile
+one CTA per SM walks the (row block, column block) tiles of the output (with `cluster_m` = 2, CTA pairs walk pairs
+of adjacent row blocks and share each weight tile by TMA multicast); per tile
 
     wg 0, 1  (compute): acc [tile_m, tile_n] += xq [tile_m, tile_k] @ wq_nk[cols, tile_k]^T over K (wgmma),
              the two warpgroups on the two tile_n halves of the CTA's 2 * tile_n columns; then
@@ -47,7 +48,7 @@ from pallas_kernels import grouped_matmul as gm
 
 COMPUTE_WGS = gm.COMPUTE_WGS
 ROW_ALIGN = gm.ROW_ALIGN  # TMA loads of swizzled xq tiles need M % 8 == 0
-INTERPRET_SMS = 3
+INTERPRET_SMS = 4  # "SMs" of the persistent grid in the interpreter: 2 clusters of 2 when cluster_m = 2
 ACT_MAX = {"fp8": 448.0, "int8": 127.0}
 DTYPES = {"fp8": jnp.dtype(jnp.float8_e4m3fn), "int8": jnp.dtype(jnp.int8)}
 
@@ -69,6 +70,8 @@ class W8A8Config:
             store whole [tile_m, epi_n] boxes, leaving the rows past M of the last row block to the TMA unit's
             bounds check (a tensor store never writes outside the array); False stages it unswizzled and writes
             only the valid rows (grouped_matmul.store_rows), the path grouped_matmul runs on the H200.
+        cluster_m: 2 runs CTAs in pairs on adjacent row blocks of the same columns, each weight tile loaded once
+            from L2 and multicast to both SMEM rings (halves the weight's L2 -> SMEM traffic); 1: no clusters.
 
     The defaults are the structure of grouped_matmul's measured best with the K tile doubled to 128 bytes; they
     are not yet tuned on a GPU for 8-bit (benchmarks/w8a8_matmul.py sweeps them).
@@ -83,6 +86,7 @@ class W8A8Config:
     grid_minor_m: bool = True
     grid_tile_width: int = 8
     swizzled_epilogue: bool = False
+    cluster_m: int = 1
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -97,6 +101,8 @@ class W8A8Config:
             raise ValueError(f"W8A8Config.max_concurrent_steps must be >= 2 and > delay_release, got {self}")
         if self.grid_tile_width < 1:
             raise ValueError(f"W8A8Config.grid_tile_width must be >= 1, got {self.grid_tile_width}")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"W8A8Config.cluster_m must be 1 or 2, got {self.cluster_m}")
         if self.smem_bytes() > gm.SMEM_BYTES:
             raise ValueError(f"W8A8Config {self} needs {self.smem_bytes()} bytes of SMEM > {gm.SMEM_BYTES}")
 
@@ -143,7 +149,7 @@ def quantize_activations(x: jax.Array, fmt: str, act_scale: jax.Array | None = N
 def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
     # xq_gmem: [M8, K] e4m3 / int8, M8 = M rounded up to 8
     # wq_gmem: [N, K] same dtype, K-major
-    # xs_gmem: [grid_m * tile_m] f32 per-row scale (padded with ones past M)
+    # xs_gmem: [cdiv(grid_m, cluster_m) * cluster_m * tile_m] f32 per-row scale (padded with ones past M)
     # ws_gmem: [N] f32 per-column scale
     # out_gmem: [M, N] bf16 / f16
     m, n = out_gmem.shape
@@ -151,7 +157,11 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
     cta_n = COMPUTE_WGS * tn
     grid_m, grid_n = pl.cdiv(m, tm), n // cta_n
     acc_dtype = jnp.int32 if xq_gmem.dtype == jnp.int8 else jnp.float32
-    pipeline = functools.partial(gm.k_pipeline, cfg, xq_gmem.shape[1], xq_gmem.dtype, b_k_major=True)
+    pairs_m = pl.cdiv(grid_m, cfg.cluster_m)  # row blocks of one cluster: cluster_m adjacent ones, same columns
+    b_collective = ("cluster",) if cfg.cluster_m > 1 else ()
+    pipeline = functools.partial(
+        gm.k_pipeline, cfg, xq_gmem.shape[1], xq_gmem.dtype, b_k_major=True, b_collective=b_collective
+    )
 
     def ignore(*_, **__):
         return None
@@ -167,13 +177,15 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
     )
     def _scope(pipeline_allocs, out_smem):
         wg = lax.axis_index("wg")
+        cta = lax.axis_index("cluster") if cfg.cluster_m > 1 else 0
 
-        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        @plgpu.nd_loop((pairs_m * grid_n,), collective_axes="sm")
         def _work_item(loop_info: plgpu.NDLoopInfo):
             (lin,) = loop_info.index
-            mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 0 if cfg.grid_minor_m else 1, cfg.grid_tile_width)
+            pi, ni = plgpu.planar_snake(lin, (pairs_m, grid_n), 0 if cfg.grid_minor_m else 1, cfg.grid_tile_width)
+            mi = pi * cfg.cluster_m + cta  # an odd grid_m leaves the last pair's second block wholly past M
             col = ni * cta_n + wg * tn
-            rows = jnp.minimum(m - mi * tm, tm)
+            rows = jnp.clip(m - mi * tm, 0, tm)
 
             def compute_context(eval_pipeline):
                 # Scales are read before the K loop so their latency hides behind it: [tile_m] per row, [tile_n]
@@ -229,16 +241,18 @@ def _store_boxes(out_smem, out_gmem, cfg: W8A8Config, row0, col0, tile):
 
 def _w8a8_call(xq, wq_nk, x_scale, w_scale, cfg: W8A8Config, out_dtype, interpret, num_sms: int):
     m, n = xq.shape[0], wq_nk.shape[0]
-    rows = pl.cdiv(m, cfg.tile_m) * cfg.tile_m
+    rows = pl.cdiv(pl.cdiv(m, cfg.tile_m), cfg.cluster_m) * cfg.cluster_m * cfg.tile_m
     xs = jnp.pad(x_scale.reshape(m).astype(jnp.float32), (0, rows - m), constant_values=1.0)
     ws = jnp.broadcast_to(w_scale.astype(jnp.float32).reshape(-1), (n,))
     if m % ROW_ALIGN:  # the padded rows are loaded, multiplied and never stored
         xq = jnp.pad(xq, ((0, ROW_ALIGN - m % ROW_ALIGN), (0, 0)))
+    cluster = dict(cluster=(cfg.cluster_m,), cluster_names=("cluster",)) if cfg.cluster_m > 1 else {}
     call = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
         out_type=backend_lib.out_struct((m, n), out_dtype, [xq, wq_nk]),
-        grid=(num_sms,),
+        grid=(num_sms // cfg.cluster_m,),
         grid_names=("sm",),
+        **cluster,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

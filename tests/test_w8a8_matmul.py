@@ -10,6 +10,8 @@ must equal the reference bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +57,11 @@ CASES = [
     pytest.param("int8", 130, 128, 256, wm.W8A8Config(max_concurrent_steps=2), False, True, id="int8_tile128"),
     pytest.param("fp8", 200, 256, 256, SWIZZLED, False, False, id="fp8_M200_swizzled_epilogue"),
     pytest.param("int8", 333, 128, 512, SWIZZLED, True, False, id="int8_M333_swizzled_epilogue"),
+    # Clusters of 2 CTAs sharing multicast weight tiles; 3 row blocks: the last pair's second block lies past M.
+    pytest.param("fp8", 130, 256, 256, dataclasses.replace(SMALL, cluster_m=2), False, False, id="fp8_cluster2_odd"),
+    pytest.param(
+        "int8", 333, 384, 512, dataclasses.replace(SWIZZLED, cluster_m=2), False, False, id="int8_cluster2_swizzled"
+    ),
     pytest.param(
         "fp8",
         77,
@@ -114,11 +121,11 @@ class TestGpu(W8A8MatmulBase):
             for f in ("fp8", "int8")
             for k, n in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
         ]
-        + [("fp8", 4096, 14336, True), ("int8", 14336, 4096, True)],
+        + [("fp8", 4096, 14336, True), ("int8", 14336, 4096, True), ("fp8", 4096, 1024, 2), ("int8", 4096, 4096, 2)],
     )
     def test_llama_shapes(self, fmt, k, n, swizzled):
         xq, wq, xs, ws, _ = _inputs(fmt, 4000, k, n, seed=k + n)  # 4000: a partial last row block
-        cfg = wm.W8A8Config(swizzled_epilogue=swizzled)
+        cfg = wm.W8A8Config(swizzled_epilogue=bool(swizzled), cluster_m=2 if swizzled == 2 else 1)
         out = wm.w8a8_matmul(xq, wq, xs, ws, config=cfg, backend="mosaic_gpu")
         assert np.isfinite(np.asarray(out, np.float32)).all()
         assert _rel(out, wm.reference(xq, wq, xs, ws)) < 1e-2
@@ -179,6 +186,9 @@ def test_config_validation():
             wm.W8A8Config(tile_m=64, tile_n=256, max_concurrent_steps=2),
             "m64n256k32",
             id="n256",
+        ),
+        pytest.param(
+            "fp8", 4000, 4096, 4096, wm.W8A8Config(cluster_m=2, swizzled_epilogue=True), "m64n128k32", id="c2"
         ),
     ],
 )
