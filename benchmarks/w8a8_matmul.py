@@ -183,15 +183,15 @@ def bench_shape(name, m, k, n, backend, cfg=None):
     return row
 
 
-def sweep(shapes, m, backend, seconds: float):
-    """Configs beyond the default (config-major, then shape and format; kernel on [N, K] weights) until `seconds`
-    are spent."""
-    results, deadline = [], time.monotonic() + seconds
+def sweep(shapes, m, backend, seconds: float, results: list, on_entry=lambda: None):
+    """Configs beyond the default (config-major, then shape and format; kernel on [N, K] weights), appended to
+    `results` (then `on_entry()`) until `seconds` are spent."""
+    deadline = time.monotonic() + seconds
     for cfg in SWEEP:
         for name, k, n in shapes:
             for fmt in ("fp8", "int8"):
                 if time.monotonic() > deadline:
-                    return results
+                    return
                 if n % (wm.COMPUTE_WGS * cfg.tile_n) or k % cfg.tile_k:
                     continue
                 entry = dict(shape=name, fmt=fmt, **time_ours(fmt, m, k, n, cfg, backend))
@@ -199,7 +199,7 @@ def sweep(shapes, m, backend, seconds: float):
                     entry["tflops"] = 2.0 * m * k * n / (entry["us"] * 1e-6) / 1e12
                 print(json.dumps(entry), flush=True)
                 results.append(entry)
-    return results
+                on_entry()
 
 
 def summary(rows) -> str:
@@ -241,8 +241,7 @@ def main() -> int:
         write()
     if args.sweep_seconds > 0 and not args.smoke:
         sweep_shapes = [s for s in SHAPES if s[0] in args.sweep_shapes.split(",")]
-        result["sweep"] = sweep(sweep_shapes, m, backend, args.sweep_seconds)
-        write()
+        sweep(sweep_shapes, m, backend, args.sweep_seconds, result["sweep"], write)
     print(summary(result["rows"]), flush=True)
     return 0
 
