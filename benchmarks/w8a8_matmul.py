@@ -213,6 +213,25 @@ def summary(rows) -> str:
     return "\n".join(lines)
 
 
+def sweep_summary(result) -> str:
+    """Per swept (shape, format): the default config's TFLOP/s and the best swept config (fields that differ)."""
+    default = Cfg()
+    lines = [
+        "| shape | fmt | default TFLOP/s | best swept TFLOP/s | best config (vs default) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        for fmt in ("fp8", "int8"):
+            swept = [e for e in result["sweep"] if e["shape"] == row["shape"] and e["fmt"] == fmt and "tflops" in e]
+            if not swept:
+                continue
+            best = max(swept, key=lambda e: e["tflops"])
+            diff = {k: v for k, v in best["config"].items() if getattr(default, k) != v}
+            base = row["tflops"].get(f"ours_{fmt}", float("nan"))
+            lines.append(f"| {row['shape']} | {fmt} | {base:.0f} | {best['tflops']:.0f} | {diff} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="w8a8_matmul.json")
@@ -243,6 +262,7 @@ def main() -> int:
         sweep_shapes = [s for s in SHAPES if s[0] in args.sweep_shapes.split(",")]
         sweep(sweep_shapes, m, backend, args.sweep_seconds, result["sweep"], write)
     print(summary(result["rows"]), flush=True)
+    print(sweep_summary(result), flush=True)
     return 0
 
 

@@ -6,7 +6,7 @@ Two formats, one kernel:
     fp8   xq, wq float8_e4m3fn; wgmma e4m3 x e4m3 with f32 accumulation
     int8  xq, wq int8 (SmoothQuant W8A8);  wgmma s8 x s8 with s32 accumulation (exact), cast to f32 in the epilogue
 
-Both are reachable from Pallas in jax 0.11.2: `plgpu.wgmma` takes 8-bit SMEM operands and an `plgpu.ACC` of int32
+Both are reachable from Pallas in jax 0.11.2: `plgpu.wgmma` takes 8-bit SMEM operands and a `plgpu.ACC` of int32
 (signed, as s8 wgmma needs); tests/test_w8a8_matmul.py checks that the cuda lowering emits wgmma ...s32.s8.s8 and
 ...f32.e4m3.e4m3.
 
