@@ -9,7 +9,8 @@ Order (the JSON is rewritten after every case, so a run cut short keeps what it 
     2. the new kernel, default config, every format x the four Llama-3-8B layer shapes x M = 1, 64.
     3. peers in the same run: XLA bf16 dot, torch cuBLAS bf16 (and cuBLASLt fp8), then the Triton kernel (default
        tiles, --triton_formats) while the budget lasts.
-    4. a config sweep of the new kernel (tile_k, ring depth, K splits, A path) in the time left of --budget_s.
+    4. a config sweep of the new kernel (tile_k, ring depth, K splits, x multicast cluster, rows per warpgroup, A path)
+       in the time left of --budget_s.
 Timing rule, weight bytes and formats are benchmarks/quantized_matmul.py's (C copies of the weight >= 160 MB per
 timed call, so every matmul reads HBM; bytes = the stored values + scales + zero points in the model's layout).
 """
@@ -34,9 +35,9 @@ from pallas_kernels import stream_matmul_mgpu as sm  # noqa: E402
 
 FORMAT_NAMES = ("bf16", "int8", "fp8", "int4_g128", "int4_g32_asym")
 S = sm.StreamConfig
-CANDIDATES = {  # tried after the default, in this order, while time is left
-    "dense": (S(tile_k=256), S(tile_k=128, max_concurrent_steps=8), S(tile_k=256, max_concurrent_steps=6), S(64, 8)),
-    "int4": (S(tile_k=256), S(tile_k=512, max_concurrent_steps=6), S(tile_k=256, max_concurrent_steps=8)),
+CANDIDATES = {  # tried after the default (auto tile_k: 256 bytes of weight a row), in this order, while time is left
+    "dense": (S(tile_k=128, max_concurrent_steps=6), S(tile_k=256, max_concurrent_steps=6), S(64, 8), S(0, 3)),
+    "int4": (S(tile_k=256, max_concurrent_steps=6), S(tile_k=512, max_concurrent_steps=3), S(128, 8)),
 }
 CHECK_CASES = ((1, 4096, 4096), (64, 4096, 1024), (17, 384, 200))  # K a multiple of every group
 
@@ -114,6 +115,9 @@ def sweep_configs(fmt_name, best: sm.StreamConfig, m, k, n):
     like = sm.StreamWeight(jax.ShapeDtypeStruct(shape, jnp.int8), None, None, fmt, g, k, n)  # plan() reads shapes only
     auto = sm.plan(m, like, best, sm._num_sms()).splits
     out += [dataclasses.replace(best, num_splits=s) for s in sorted({1, max(1, auto // 2), auto * 2} - {auto})]
+    if m > 16:  # x multicast to a cluster of N-neighbour CTAs: x re-read from L2 costs most at large M
+        out += [dataclasses.replace(best, cluster=c) for c in (2, 4)]
+    out.append(dataclasses.replace(best, wg_rows=64 if 32 <= m <= 128 and fmt != "int4" else 128))  # the other one
     out.append(dataclasses.replace(best, a_via_smem=not best.a_via_smem))
     return [c for c in out if c != best]
 

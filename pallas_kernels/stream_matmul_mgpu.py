@@ -60,7 +60,8 @@ class StreamConfig:
     """Tiles of the streaming kernel (a static argument).
 
     Attributes:
-        tile_k: most K columns per pipeline step (64..512; int4 at least one group); halved where SMEM needs it.
+        tile_k: most K columns per pipeline step (64..512; int4 at least one group); halved where SMEM needs it;
+            0: 256 bytes of weight a row (bf16 128, int8 / fp8 256, int4 512), 32 KB of weight a slot at wg_rows 64.
         max_concurrent_steps: most SMEM ring slots (fewer where SMEM does not hold them; bytes in flight per SM =
             slots * 2 * wg_rows * tile_k * weight bytes).
         num_splits: K splits across CTAs (f32 partials summed after); 0 picks one wave of CTAs, fewer where the
@@ -68,23 +69,29 @@ class StreamConfig:
         a_via_smem: int8 / fp8 / int4 hand the converted A tile to wgmma through SMEM instead of registers (what
             the interpreter always does; on the GPU a fallback and a point of the sweep).
         wg_rows: rows of N per compute warpgroup, 64 or 128 (one or two wgmma row tiles); 0: `plan` picks.
+        cluster: CTAs of a cluster (neighbouring N blocks) that share each x block through TMA multicast: x is
+            re-read from L2 by every CTA otherwise, as many bytes as an int4 weight tile at M = 64 (1 where the N
+            blocks do not divide).
     """
 
-    tile_k: int = 128
+    tile_k: int = 0
     max_concurrent_steps: int = 4
     num_splits: int = 0
     a_via_smem: bool = False
     wg_rows: int = 0
+    cluster: int = 1
 
     def __post_init__(self):
-        if self.tile_k not in (64, 128, 256, 512):
-            raise ValueError(f"StreamConfig.tile_k must be 64, 128, 256 or 512, got {self.tile_k}")
+        if self.tile_k not in (0, 64, 128, 256, 512):
+            raise ValueError(f"StreamConfig.tile_k must be 0 (auto), 64, 128, 256 or 512, got {self.tile_k}")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"StreamConfig.max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
         if self.num_splits < 0:
             raise ValueError(f"StreamConfig.num_splits must be >= 0 (0 = auto), got {self.num_splits}")
         if self.wg_rows not in (0, 64, 128):
             raise ValueError(f"StreamConfig.wg_rows must be 0 (auto), 64 or 128, got {self.wg_rows}")
+        if self.cluster not in (1, 2, 4):
+            raise ValueError(f"StreamConfig.cluster must be 1, 2 or 4, got {self.cluster}")
 
 
 @jax.tree_util.register_dataclass
@@ -153,6 +160,7 @@ class _Plan:
     splits: int
     n_blocks: int  # CTAs along N
     wg_rows: int  # rows of N per compute warpgroup
+    cluster: int  # CTAs sharing x by multicast
     depth: int  # ring slots
     smem: int  # bytes of SMEM per CTA
 
@@ -168,11 +176,13 @@ def plan(m: int, w: StreamWeight, config: StreamConfig, num_sms: int) -> _Plan:
     # 128 rows a warpgroup halve the CTAs that re-read x's block; not past 128 rows of x (an f32 acc of [128, Mp]
     # is Mp regs a thread) and not for int4, whose f32 dequantisation of a [128, kb] tile alone is 128 regs.
     wg_rows = config.wg_rows or (128 if 32 <= mp <= 128 and w.fmt != "int4" else 64)
-    tk, floor = config.tile_k, 64
+    tk, floor = config.tile_k or {"int4": 512, "int8": 256, "fp8": 256}.get(w.fmt, 128), 64
     if w.fmt == "int4":
         tk, floor = max(tk, w.group_size), max(64, w.group_size)
         if tk % w.group_size:
             raise ValueError(f"StreamConfig.tile_k={tk} must be a multiple of the int4 group size {w.group_size}")
+    while not config.tile_k and w.wt.shape[1] % tk:  # auto: the largest that divides K (K_ALIGN always does)
+        tk //= 2
     if w.wt.shape[1] % tk:
         raise ValueError(f"StreamConfig.tile_k={tk} does not divide the stored K={w.wt.shape[1]}")
     p = _fit(mp, tk, wg_rows, w, config, num_sms)
@@ -203,7 +213,8 @@ def _fit(mp: int, tk: int, wg_rows: int, w: StreamWeight, config: StreamConfig, 
     depth = min(config.max_concurrent_steps, steps)
     while depth > min(2, steps) and depth * per_slot + fixed > SMEM_BYTES:
         depth -= 1
-    return _Plan(mp, tk, kb, steps, splits, n_blocks, wg_rows, depth, depth * per_slot + fixed)
+    cluster = config.cluster if n_blocks % config.cluster == 0 else 1
+    return _Plan(mp, tk, kb, steps, splits, n_blocks, wg_rows, cluster, depth, depth * per_slot + fixed)
 
 
 def _epi_cols(mp: int) -> int:
@@ -263,17 +274,20 @@ def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_sm
     x_gmem, w_gmem = refs[:2]
     out_gmem = refs[-1]
     ni, si = lax.axis_index("n"), lax.axis_index("s")
+    if p.cluster > 1:  # CTAs of a cluster take neighbouring N blocks of the same K range
+        ni = ni * p.cluster + lax.axis_index("cluster")
     np_ = w_gmem.shape[0]
     r = p.tk // p.kb  # blocks per step along K
     g = group_size
     first = si * p.steps
 
-    def block_spec(shape, dtype, j):  # block j of the step along K (x and the weight)
-        row_block = 0 if shape[0] == p.mp else ni
-        return plgpu.BlockSpec(shape, lambda kk: (row_block, (first + kk) * r + j), transforms=_swizzled(p.kb, dtype))
+    def block_spec(shape, dtype, row_block, j, **kw):  # block j of the step along K (x and the weight)
+        index = lambda kk: (row_block, (first + kk) * r + j)  # noqa: E731
+        return plgpu.BlockSpec(shape, index, transforms=_swizzled(p.kb, dtype), **kw)
 
-    specs = [block_spec((p.mp, p.kb), compute_dtype, j) for j in range(r)]
-    specs += [block_spec((p.cta_rows, p.kb), w_gmem.dtype, j) for j in range(r)]
+    multicast = dict(collective_axes=("cluster",)) if p.cluster > 1 else {}  # one x load feeds the cluster's CTAs
+    specs = [block_spec((p.mp, p.kb), compute_dtype, 0, j, **multicast) for j in range(r)]
+    specs += [block_spec((p.cta_rows, p.kb), w_gmem.dtype, ni, j) for j in range(r)]
     gmem_in = [x_gmem] * r + [w_gmem] * r
     if fmt == "int4":  # the step's group scales (and zero shifts): [r, 128] f32
         groups = p.tk // group_size  # [groups, 128] f32 per step
@@ -359,8 +373,10 @@ def _stream_call(x2, w: StreamWeight, config: StreamConfig, interpret, num_sms: 
     partials = plgpu.kernel(
         kernel,
         out_type=backend_lib.out_struct((p.splits * np_, p.mp), jnp.float32, inputs),
-        grid=(p.n_blocks, p.splits),
+        grid=(p.n_blocks // p.cluster, p.splits),
         grid_names=("n", "s"),
+        cluster=(p.cluster,),
+        cluster_names=("cluster",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

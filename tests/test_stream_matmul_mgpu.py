@@ -186,28 +186,33 @@ def test_bad_inputs_raise(monkeypatch):
 
 
 LOWER_CASES = [
-    pytest.param(fmt, m, k, n, g, asym, via_smem, id=f"{fmt}{g or ''}{'_asym' if asym else ''}_m{m}_{k}x{n}")
-    for fmt, m, k, n, g, asym, via_smem in (
-        ("bf16", 1, 4096, 14336, 0, False, False),
-        ("int8", 64, 14336, 4096, 0, False, False),
-        ("fp8", 1, 4096, 1024, 0, False, False),
-        ("int4", 1, 4096, 4096, 128, False, False),
-        ("int4", 64, 4096, 4096, 32, True, False),
-        ("int4", 17, 4096, 1024, 64, True, True),
-        ("int4", 256, 4096, 1024, 128, True, False),
-        ("bf16", 256, 4096, 1024, 0, False, False),
-        ("fp8", 128, 4096, 4096, 0, False, True),
+    pytest.param(fmt, m, k, n, g, asym, cfg, id=f"{fmt}{g or ''}{'_asym' if asym else ''}_m{m}_{k}x{n}_{i}")
+    for i, (fmt, m, k, n, g, asym, cfg) in enumerate(
+        (
+            ("bf16", 1, 4096, 14336, 0, False, sm.StreamConfig()),
+            ("int8", 64, 14336, 4096, 0, False, sm.StreamConfig()),
+            ("fp8", 1, 4096, 1024, 0, False, sm.StreamConfig()),
+            ("int4", 1, 4096, 4096, 128, False, sm.StreamConfig()),
+            ("int4", 64, 4096, 4096, 32, True, sm.StreamConfig()),
+            ("int4", 17, 4096, 1024, 64, True, sm.StreamConfig(a_via_smem=True)),
+            ("int4", 256, 4096, 1024, 128, True, sm.StreamConfig()),
+            ("bf16", 256, 4096, 1024, 0, False, sm.StreamConfig()),
+            ("fp8", 128, 4096, 4096, 0, False, sm.StreamConfig()),
+            ("int4", 64, 4096, 4096, 128, False, sm.StreamConfig(cluster=2)),
+            ("int8", 64, 4096, 14336, 0, False, sm.StreamConfig(cluster=4, wg_rows=64)),
+        )
     )
 ]
 
 
-@pytest.mark.parametrize("fmt, m, k, n, g, asym, via_smem", LOWER_CASES)
-def test_lowers_for_cuda_on_cpu(fmt, m, k, n, g, asym, via_smem):
-    """Pallas -> Mosaic GPU lowering for an H200 (132 SMs) on a CPU host: layouts, conversions, wgmma operands."""
+@pytest.mark.parametrize("fmt, m, k, n, g, asym, config", LOWER_CASES)
+def test_lowers_for_cuda_on_cpu(fmt, m, k, n, g, asym, config):
+    """Pallas -> Mosaic GPU lowering for an H200 (132 SMs) on a CPU host: layouts, conversions, wgmma operands,
+    SMEM budget (the lowering counts the real allocation)."""
     values, scales, zeros = make_weight(np.random.default_rng(0), fmt, k, n, g, asym, False)
     w = sm.prepare(values, scales, zeros, fmt=fmt, group_size=g)
     x = jnp.ones((m, k), jnp.bfloat16)
-    config = sm.StreamConfig(a_via_smem=via_smem)
+    assert sm.plan(m, w, config, 132).cluster == config.cluster
     lowered = jax.jit(lambda x, w: sm._stream_call(x, w, config, None, 132)).trace(x, w)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "wgmma.mma_async" in text
@@ -235,3 +240,22 @@ def test_quant_door_takes_the_stream_layout(monkeypatch):
     assert errors(got, quant.reference_matmul(x, w))[0] < 1e-2
     grouped8 = quant.QuantizedArray(jnp.ones((64, 8), jnp.int8), jnp.ones((2, 8)), fmt="int8", group_size=32)
     assert quant.with_stream_layout(grouped8).stream is None  # no grouped int8 kernel: unchanged
+
+
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        pytest.param(128, SMALL, id="x_rows_equal_cta_rows"),  # Mp = 2 * wg_rows: x and weight blocks look alike
+        pytest.param(64, sm.StreamConfig(tile_k=128, max_concurrent_steps=2, cluster=2), id="cluster2_multicast_x"),
+        pytest.param(5, sm.StreamConfig(), id="default_config_auto_tile_k"),
+    ],
+)
+def test_block_geometry(m, config):
+    rng = np.random.default_rng(13)
+    values, scales, zeros = make_weight(rng, "int4", 256, 500, 64, True, False)
+    w = sm.prepare(values, scales, zeros, fmt="int4", group_size=64)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    got = sm.stream_matmul(x, w, config=config, backend="interpret")
+    want = qmm.reference(x, values, scales, zeros, fmt="int4", group_size=64)
+    rel, row = errors(got, want)
+    assert rel < 1e-2 and row < 2e-2
