@@ -42,6 +42,7 @@ from jax import lax
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels.quantized_matmul import FORMATS, reference  # noqa: F401  (reference: the shared oracle)
+from pallas_kernels.quantized_matmul import _validate as _validate_stored
 
 COMPUTE_WGS = 2
 N_ALIGN = 256  # N padding of the stored weight: whole CTAs of 2 warpgroups x 64 or 128 rows
@@ -122,16 +123,14 @@ def prepare(values, scales=None, zeros=None, *, fmt="bf16", group_size=0) -> Str
     Args:
         values: bf16/f16 [K, N], int8 [K, N], float8_e4m3fn [K, N] or uint8 [K/2, N] (int4: row 2i low nibble).
         scales: int8 / fp8 f32 [N] or []; int4 [K/g, N]; None for bf16.
-        zeros: int4 [K/g, N] integer zero points or None (symmetric, zero 8).
+        zeros: int4 [K/g, N] zero points (GGUF Q4_1's are not integers) or None (symmetric, zero 8).
         fmt, group_size: as in quantized_matmul.
 
     Raises:
         ValueError: an unknown format, a bad group size or shapes that do not fit (quantized_matmul's checks).
     """
-    from pallas_kernels.quantized_matmul import _validate
-
     k = 2 * values.shape[0] if fmt == "int4" else values.shape[0]
-    _validate(jnp.zeros((1, k), jnp.bfloat16), values, scales, zeros, fmt, group_size)
+    _validate_stored(jnp.zeros((1, k), jnp.bfloat16), values, scales, zeros, fmt, group_size)
     n = values.shape[1]
     np_, kp = -(-n // N_ALIGN) * N_ALIGN, -(-k // K_ALIGN) * K_ALIGN
     if fmt == "int4":
@@ -233,7 +232,7 @@ def _swizzled(block_cols: int, dtype):
 
 
 def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size):
-    """Codes [64, kb] in SMEM -> the dequantised A tile [64, kb] in registers (compute dtype).
+    """Codes [R, kb] in SMEM (R = wg_rows) -> the dequantised A tile [R, kb] in registers (compute dtype).
 
     int8 / e4m3 convert to bf16 exactly (their per-channel scale is applied to out^T after the kernel); int4 block j
     of the step: (c' - zshift) * scale in f32, rounded once to bf16, as dequantising the weight to bf16 would. A
@@ -253,7 +252,7 @@ def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size):
     if per_block > 1:
         group_of_col = plgpu.broadcasted_iota(jnp.int32, a.shape, 1, layout=plgpu.Layout.WGMMA) // group_size
 
-    def per_group(ref):  # [r * per_block, 128] f32 in SMEM -> [64, kb] f32, the value of each element's group
+    def per_group(ref):  # [tk / g, 2R] f32 in SMEM -> [R, kb] f32: each element's group value for its row
         tile = None
         for q in range(per_block):
             v = lax.broadcast_in_dim(plgpu.load(ref.at[j * per_block + q, rows], layout=row_layout), a.shape, [0])
@@ -289,8 +288,8 @@ def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_sm
     specs = [block_spec((p.mp, p.kb), compute_dtype, 0, j, **multicast) for j in range(r)]
     specs += [block_spec((p.cta_rows, p.kb), w_gmem.dtype, ni, j) for j in range(r)]
     gmem_in = [x_gmem] * r + [w_gmem] * r
-    if fmt == "int4":  # the step's group scales (and zero shifts): [r, 128] f32
-        groups = p.tk // group_size  # [groups, 128] f32 per step
+    if fmt == "int4":  # the step's group scales (and zero shifts): [tk / g, 2R] f32
+        groups = p.tk // group_size
         specs += [plgpu.BlockSpec((groups, p.cta_rows), lambda kk: (first + kk, ni))] * (1 + has_zeros)
         gmem_in += list(refs[2 : 3 + has_zeros])
 
@@ -298,7 +297,7 @@ def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_sm
     wr = p.wg_rows
     epi = _epi_cols(p.mp)
     scoped = dict(out_smem=plgpu.SMEM((COMPUTE_WGS, wr, epi), jnp.float32))  # [wg, wg_rows, epi], unswizzled
-    if staged:  # [wg, 64, kb] bf16, swizzled like x's block (wgmma wants equal A and B swizzles)
+    if staged:  # [wg, R, kb] bf16, swizzled like x's block (wgmma wants equal A and B swizzles)
         scoped["a_staging"] = plgpu.SMEM(
             (COMPUTE_WGS, wr, p.kb), compute_dtype, transforms=_swizzled(p.kb, compute_dtype)
         )
