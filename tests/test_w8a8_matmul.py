@@ -114,18 +114,22 @@ class TestInterpreted(W8A8MatmulBase):
 class TestGpu(W8A8MatmulBase):
     backend = "mosaic_gpu"
 
+    LLAMA = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
+    VARIANTS = {
+        "default": wm.W8A8Config(),
+        "swizzled": wm.W8A8Config(swizzled_epilogue=True),
+        "cluster2": wm.W8A8Config(cluster_m=2, swizzled_epilogue=True),
+    }
+
     @pytest.mark.parametrize(
-        "fmt,k,n,swizzled",
-        [
-            (f, k, n, False)
-            for f in ("fp8", "int8")
-            for k, n in ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
-        ]
-        + [("fp8", 4096, 14336, True), ("int8", 14336, 4096, True), ("fp8", 4096, 1024, 2), ("int8", 4096, 4096, 2)],
+        "fmt,k,n,variant",
+        [(f, k, n, "default") for f in ("fp8", "int8") for k, n in LLAMA]
+        + [("fp8", 4096, 14336, "swizzled"), ("int8", 14336, 4096, "swizzled")]
+        + [("fp8", 4096, 1024, "cluster2"), ("int8", 4096, 4096, "cluster2")],
     )
-    def test_llama_shapes(self, fmt, k, n, swizzled):
+    def test_llama_shapes(self, fmt, k, n, variant):
         xq, wq, xs, ws, _ = _inputs(fmt, 4000, k, n, seed=k + n)  # 4000: a partial last row block
-        cfg = wm.W8A8Config(swizzled_epilogue=bool(swizzled), cluster_m=2 if swizzled == 2 else 1)
+        cfg = self.VARIANTS[variant]
         out = wm.w8a8_matmul(xq, wq, xs, ws, config=cfg, backend="mosaic_gpu")
         assert np.isfinite(np.asarray(out, np.float32)).all()
         assert _rel(out, wm.reference(xq, wq, xs, ws)) < 1e-2
