@@ -47,6 +47,7 @@ def _rel(a, b, axis=None):
 
 
 SMALL = wm.W8A8Config(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2)
+LLAMA = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))  # Llama-3-8B layer weights [K, N]
 SWIZZLED = wm.W8A8Config(tile_m=64, tile_n=128, max_concurrent_steps=2, swizzled_epilogue=True)
 
 # (fmt, M, K, N, config, per-tensor weight scale, static activation scale): M breaks the row tile on purpose.
@@ -114,7 +115,6 @@ class TestInterpreted(W8A8MatmulBase):
 class TestGpu(W8A8MatmulBase):
     backend = "mosaic_gpu"
 
-    LLAMA = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
     VARIANTS = {
         "default": wm.W8A8Config(),
         "swizzled": wm.W8A8Config(swizzled_epilogue=True),
