@@ -110,7 +110,8 @@ class TestInterpreted(StreamMatmulTestBase):
 @pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU")
 class TestGpu(StreamMatmulTestBase):
     backend = "mosaic_gpu"
-    configs = (sm.StreamConfig(), sm.StreamConfig(a_via_smem=True), sm.StreamConfig(tile_k=256, num_splits=1))
+    # A from registers (default) and through SMEM with x multicast to 2-CTA clusters and no K split (~56 compiles)
+    configs = (sm.StreamConfig(), sm.StreamConfig(a_via_smem=True, cluster=2, num_splits=1))
     m_values = (1, 7, 64, 256)
     cases = (
         ("bf16_4096x1024", "bf16", 4096, 1024, 0, False, False),
