@@ -15,6 +15,6 @@ if [ "$1" = "tests" ]; then
     tests/test_w8a8_matmul.py 2>&1 | grep -v "PytestBenchmarkWarning\|warner(" > $OUT/w8a8_gpu_tests.txt
   echo "pytest rc=${PIPESTATUS[0]}"; tail -30 $OUT/w8a8_gpu_tests.txt
 else
-  timeout 170 python3 benchmarks/w8a8_matmul.py --sweep_seconds 50 --out $OUT/w8a8_matmul_h200.json 2>&1 \
+  timeout 170 python3 benchmarks/w8a8_matmul.py --sweep_seconds 40 --out $OUT/w8a8_matmul_h200.json 2>&1 \
     | grep -v "^WARNING\|Warn" | tail -40
 fi

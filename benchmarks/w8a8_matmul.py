@@ -19,6 +19,9 @@ torch.cuda.synchronize, for torch):
                                  f32: what our kernel and XLA do)
     torch_int_mm                 torch._int_mm, s8 x s8 -> s32 (cuBLAS), without the scale epilogue
     quantize_{fp8,int8}_us       the per-token activation quantiser on bf16 x [M, K] (not in any TFLOP/s figure)
+    model_{fmt}_*_path_us        model/quant.py's matmul from bf16 x on a [K, N] W8A8 weight: the kernel path
+                                 (quantise + transpose + kernel) vs the fake-quantise-then-dot path it replaces
+                                 (on --model_path_shapes)
 
 Before any timing, every kernel output is checked against `w8a8_matmul.reference` (norm-relative error < 1e-2; a
 failure is recorded and that row is not timed). `--sweep_seconds` bounds a small config sweep (epilogue, tile sizes,
@@ -183,6 +186,26 @@ def bench_shape(name, m, k, n, backend, cfg=None):
     return row
 
 
+def time_model_path(m, k, n) -> dict:
+    """model/quant.py's matmul on a W8A8 QuantizedArray from bf16 x: the kernel path (quantise, transpose the [K, N]
+    weight, kernel) vs the fake-quantise-then-bf16-dot path it replaces (forced by raising W8A8_MIN_ROWS)."""
+    from model import quant  # noqa: PLC0415
+
+    x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
+    rows = {}
+    for fmt in ("fp8", "int8"):
+        _, wq_t, _, ws = make_inputs(fmt, 8, k, n)
+        q = quant.QuantizedArray(jnp.asarray(wq_t.T), ws.reshape(n), fmt=fmt, act_fmt=fmt)
+        fn = jax.jit(quant.matmul)
+        rows[f"model_{fmt}_kernel_path_us"] = median_seconds(fn, x, q, **TIMING) * 1e6
+        saved, quant.W8A8_MIN_ROWS = quant.W8A8_MIN_ROWS, m + 1
+        try:
+            rows[f"model_{fmt}_fake_quant_path_us"] = median_seconds(jax.jit(quant.matmul), x, q, **TIMING) * 1e6
+        finally:
+            quant.W8A8_MIN_ROWS = saved
+    return rows
+
+
 def sweep(shapes, m, backend, seconds: float, results: list, on_entry=lambda: None):
     """Configs beyond the default (config-major, then shape and format; kernel on [N, K] weights), appended to
     `results` (then `on_entry()`) until `seconds` are spent."""
@@ -239,6 +262,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="", help="comma-separated subset of shape names")
     parser.add_argument("--sweep_seconds", type=float, default=45.0, help="time budget of the config sweep (0: none)")
     parser.add_argument("--sweep_shapes", default=SWEEP_SHAPES, help="comma-separated shapes the sweep runs on")
+    parser.add_argument("--model_path_shapes", default=SWEEP_SHAPES, help="shapes that also time model/quant.py")
     args = parser.parse_args()
     m, shapes, backend = (SMOKE["m"], SMOKE["shapes"], "interpret") if args.smoke else (M, SHAPES, "mosaic_gpu")
     if args.shapes:
@@ -257,6 +281,9 @@ def main() -> int:
     for name, k, n in shapes:
         cfg = SMOKE_CFG if args.smoke else None
         result["rows"].append(bench_shape(name, m, k, n, backend, cfg))
+        if not args.smoke and name in args.model_path_shapes.split(","):
+            result["rows"][-1].update(time_model_path(m, k, n))
+            print(json.dumps({key: v for key, v in result["rows"][-1].items() if key.startswith("model_")}), flush=True)
         write()
     if args.sweep_seconds > 0 and not args.smoke:
         sweep_shapes = [s for s in SHAPES if s[0] in args.sweep_shapes.split(",")]
