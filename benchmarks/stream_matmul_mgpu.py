@@ -181,6 +181,7 @@ def main(argv=None):
     shapes, interpret = qbench.SHAPES, None
     if args.smoke:
         shapes, interpret, qbench.COPY_BYTES = ((256, 128),), sm.plgpu.InterpretGPUParams(), 1
+        qbench.SHAPES, qbench.INTERPRET = shapes, True  # the peers' rows too (Triton through its interpreter)
         globals()["CHECK_CASES"] = ((3, 384, 72),)
     formats = [f for f in args.formats.split(",") if f]
     result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, check=[], rows=[], peers=[])
@@ -199,7 +200,7 @@ def main(argv=None):
             qbench.dump(args.out, result | dict(rows=rows_of(best)))
     result["rows"] = rows_of(best)
 
-    if not args.skip_peers and not args.smoke:  # stage 3: peers of the same run
+    if not args.skip_peers:  # stage 3: peers of the same run
         triton = [f for f in args.triton_formats.split(",") if f]
         result["peers"] = peer_rows(triton, shapes, deadline, lambda p: qbench.dump(args.out, result | dict(peers=p)))
         for r in result["peers"]:
