@@ -59,6 +59,7 @@ def bench(
     fmt: str = "bf16",
     kv_cache_dtype: str = "auto",
     concurrency_context: int = 8192,
+    stream_layout: bool = False,
 ) -> dict:
     from serving.engine.quantize import kv_cache_dtype as kv_dtype_of
     from serving.engine.quantize import quantize_model
@@ -69,9 +70,15 @@ def bench(
     model = random_model(cfg, jnp.bfloat16)
     if fmt != "bf16":
         quantize_model(model, fmt)
+    weight_bytes = stored_bytes(model)  # one copy: the stream layout's second copy is not read twice a step
+    if stream_layout:  # the Mosaic GPU streaming kernel's weight copy (model/quant.py with_stream_layout)
+        from model import quant, transformer
+
+        for slot in transformer._storage_slots(model).values():
+            if isinstance(slot.get_value(), quant.QuantizedArray):
+                slot.set_value(quant.with_stream_layout(slot.get_value()))
     jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
     init_s = time.perf_counter() - t0
-    weight_bytes = stored_bytes(model)
     kv_dtype = kv_dtype_of(kv_cache_dtype, jnp.bfloat16)
     blocks_8k = -(-concurrency_context // block_size)
     pool_blocks = size_kv_pool(model, block_size, kv_dtype, 0.9, 1 << 30)
@@ -100,6 +107,7 @@ def bench(
     results = {
         "preset": preset,
         "format": fmt,
+        "stream_layout": stream_layout,
         "kv_cache_dtype": kv_cache_dtype,
         "kv_pool_blocks_at_0.9": pool_blocks,
         "concurrency_context": concurrency_context,
@@ -176,6 +184,11 @@ def main():
     p.add_argument("--formats", default="bf16", help="comma list: bf16 and serving/engine/quantize.py's methods")
     p.add_argument("--kv_cache_dtypes", default="auto", help="comma list of auto, int8, fp8")
     p.add_argument("--concurrency_context", type=int, default=8192)
+    p.add_argument(
+        "--stream_layout",
+        action="store_true",
+        help="quantised weights also in the Mosaic GPU streaming kernel's layout",
+    )
     p.add_argument("--batches", default="1,64")
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
@@ -208,7 +221,15 @@ def main():
     for fmt in a.formats.split(","):
         for kv in a.kv_cache_dtypes.split(","):
             args = (a.preset, batches, a.ctx, a.steps, a.block_size, a.backend, a.repeats)
-            runs.append(bench(*args, fmt=fmt, kv_cache_dtype=kv, concurrency_context=a.concurrency_context))
+            runs.append(
+                bench(
+                    *args,
+                    fmt=fmt,
+                    kv_cache_dtype=kv,
+                    concurrency_context=a.concurrency_context,
+                    stream_layout=a.stream_layout,
+                )
+            )
             with open(a.out, "w") as f:  # rewritten after each run: a run cut short keeps what it finished
                 json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=2)
 

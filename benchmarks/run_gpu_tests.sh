@@ -17,7 +17,7 @@ if [ ! -f $M ] && [ -f /tmp/gpuc/part_ab ]; then
   cat /tmp/gpuc/part_aa /tmp/gpuc/part_ab > $M
   [ "$(sha256sum $M | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/gpuc/sha256)" ] && echo "model sha256 ok" || { echo "model sha256 BAD"; rm $M; }
 fi
-LIMIT=$1; shift
-timeout $LIMIT python3 -m pytest -n 8 -m gpu -q --timeout 500 -rfEs --junitxml=$OUT/junit.xml \
+LIMIT=$1; shift  # SIGINT at the limit: pytest still prints the failures it has seen
+timeout -s INT -k 20 $LIMIT python3 -m pytest -n 8 -m gpu -q --timeout 500 -rfEs --junitxml=$OUT/junit.xml \
   --continue-on-collection-errors -p no:cacheprovider "$@" 2>&1 | grep -v "PytestBenchmarkWarning\|warner(" > $OUT/log.txt
 echo "rc=${PIPESTATUS[0]}"; tail -40 $OUT/log.txt
