@@ -9,8 +9,9 @@ Order (the JSON is rewritten after every case, so a run cut short keeps what it 
     2. the new kernel, default config, every format x the four Llama-3-8B layer shapes x M = 1, 64.
     3. peers in the same run: XLA bf16 dot, torch cuBLAS bf16 (and cuBLASLt fp8), then the Triton kernel (default
        tiles, --triton_formats) while the budget lasts.
-    4. a config sweep of the new kernel (tile_k, ring depth, K splits, x multicast cluster, rows per warpgroup, A path)
-       in the time left of --budget_s.
+    4. a config sweep of the new kernel in the time left of --budget_s (tile_k, ring depth, K splits, x multicast
+       cluster, rows per warpgroup, A path, int4 dequantise / wgmma overlap); every timed config, the defaults of
+       stage 2 included, is first checked against the reference on the case's first weight copy.
 Timing rule, weight bytes and formats are benchmarks/quantized_matmul.py's (C copies of the weight >= 160 MB per
 timed call, so every matmul reads HBM; bytes = the stored values + scales + zero points in the model's layout).
 """
@@ -91,15 +92,20 @@ def check(rows, formats, interpret):
 
 
 def time_case(fmt_name, k, n, m, configs, deadline, interpret):
-    """[(config, seconds)] of the configs that ran, stopping at the deadline once one has run."""
+    """[(config, seconds)] of the configs that ran and matched the reference, stopping at the deadline once one has."""
     weights, nbytes = stream_weights(fmt_name, k, n)
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     tried = []
+    want = np.asarray(sm.stream_reference(x, weights[0]), np.float32)
     for config in configs:
         if tried and time.time() > deadline:
             break
         try:  # _validate first: a config over the SMEM budget fails in microseconds, not after a compile
             sm._validate(x, weights[0], config, 4 if interpret is not None else sm._num_sms())
+            got = np.asarray(ours(config, interpret)(x, weights[0]), np.float32)
+            err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            if not err < 1e-2:  # every timed config is checked: the sweep must not pick a wrong kernel
+                raise ValueError(f"wrong result: norm-relative error {err:.3g}")
             tried.append((config, qbench.stream_seconds(ours(config, interpret), x, weights)))
         except Exception as e:  # a config over the SMEM or register budget is skipped, not fatal
             print(f"  {fmt_name} {k}x{n} M={m} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -118,6 +124,8 @@ def sweep_configs(fmt_name, best: sm.StreamConfig, m, k, n):
     if m > 16:  # x multicast to a cluster of N-neighbour CTAs: x re-read from L2 costs most at large M
         out += [dataclasses.replace(best, cluster=c) for c in (2, 4)]
     out.append(dataclasses.replace(best, wg_rows=64 if 32 <= m <= 128 and fmt != "int4" else 128))  # the other one
+    if fmt == "int4" and not best.a_via_smem:
+        out.insert(0, dataclasses.replace(best, overlap=True))
     out.append(dataclasses.replace(best, a_via_smem=not best.a_via_smem))
     return [c for c in out if c != best]
 

@@ -73,6 +73,8 @@ class StreamConfig:
         cluster: CTAs of a cluster (neighbouring N blocks) that share each x block through TMA multicast: x is
             re-read from L2 by every CTA otherwise, as many bytes as an int4 weight tile at M = 64 (1 where the N
             blocks do not divide).
+        overlap: registers-A path with several blocks a step (int4): dequantise block j + 1 while block j's wgmma
+            runs, as the FA3-style kernels keep p in registers across a wgmma (opt-in until measured).
     """
 
     tile_k: int = 0
@@ -81,6 +83,7 @@ class StreamConfig:
     a_via_smem: bool = False
     wg_rows: int = 0
     cluster: int = 1
+    overlap: bool = False
 
     def __post_init__(self):
         if self.tile_k not in (0, 64, 128, 256, 512):
@@ -265,7 +268,7 @@ def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size):
     return (a32 * per_group(gs[0])).astype(compute_dtype)
 
 
-def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_smem):
+def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_smem, overlap):
     # x_gmem:  [Mp, Kp] compute dtype (rows >= M are zero)
     # w_gmem:  [Np, Kp] codes (module docstring)
     # s_gmem:  int4 [Kp/g, Np] f32 group scales;  z_gmem: int4 asymmetric [Kp/g, Np] f32 zero shifts
@@ -307,20 +310,27 @@ def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_sm
         wg = lax.axis_index("wg")
 
         def mma_body(_, *args):
-            # args: x blocks [Mp, kb] * r, weight blocks [128, kb] * r, (int4) scales [tk/g, 128] (+ zshift), acc
+            # args: x blocks [Mp, kb] * r, weight blocks [2R, kb] * r, (int4) scales [tk/g, 2R] (+ zshift), acc
             *smem, acc_ref = args
             xs, ws, gs = smem[:r], smem[r : 2 * r], smem[2 * r :]
+
+            def tile(j):  # block j's A operand: [R, kb] codes in SMEM (bf16) or dequantised in registers
+                w_rows = ws[j].at[pl.ds(wg * wr, wr)]
+                return w_rows if fmt == "bf16" else _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, g)
+
+            upcoming = tile(0) if overlap else None
             for j in range(r):
                 b = xs[j].transpose((1, 0))  # [kb, Mp]
-                w_rows = ws[j].at[pl.ds(wg * wr, wr)]  # [wg_rows, kb] codes in SMEM
-                if fmt == "bf16":  # already wgmma's dtype: A straight from the TMA slot
-                    plgpu.wgmma(acc_ref, w_rows, b)
-                elif a_staging is None:
-                    plgpu.wgmma(acc_ref, _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, g), b)
-                else:  # via SMEM: the interpreter's wgmma reads refs only (and a fallback for the compiled kernel)
-                    a_staging[wg] = _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, g)
+                if a_staging is not None:  # via SMEM: the interpreter's wgmma reads refs only (and a GPU fallback)
+                    a_staging[wg] = tile(j)
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, a_staging.at[wg], b)
+                elif overlap:  # block j + 1 is dequantised while block j's wgmma runs (its registers stay live)
+                    a = upcoming
+                    plgpu.wgmma(acc_ref, a, b)
+                    upcoming = tile(j + 1) if j + 1 < r else None
+                else:
+                    plgpu.wgmma(acc_ref, tile(j), b)
                 plgpu.wgmma_wait(0)  # A's registers / staging buffer are reused by the next block
             return acc_ref
 
@@ -368,6 +378,7 @@ def _stream_call(x2, w: StreamWeight, config: StreamConfig, interpret, num_sms: 
         has_zeros=w.zshift is not None,
         compute_dtype=x2.dtype,
         a_via_smem=config.a_via_smem or interpret is not None,
+        overlap=config.overlap and w.fmt != "bf16",
     )
     partials = plgpu.kernel(
         kernel,

@@ -110,8 +110,13 @@ class TestInterpreted(StreamMatmulTestBase):
 @pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU")
 class TestGpu(StreamMatmulTestBase):
     backend = "mosaic_gpu"
-    # A from registers (default) and through SMEM with x multicast to 2-CTA clusters and no K split (~56 compiles)
-    configs = (sm.StreamConfig(), sm.StreamConfig(a_via_smem=True, cluster=2, num_splits=1))
+    # A from registers (default; overlapped: int4 only, the same kernel elsewhere) and through SMEM with x multicast
+    # to 2-CTA clusters and no K split (~70 compiles)
+    configs = (
+        sm.StreamConfig(),
+        sm.StreamConfig(overlap=True),
+        sm.StreamConfig(a_via_smem=True, cluster=2, num_splits=1),
+    )
     m_values = (1, 7, 64, 256)
     cases = (
         ("bf16_4096x1024", "bf16", 4096, 1024, 0, False, False),
@@ -201,6 +206,8 @@ LOWER_CASES = [
             ("fp8", 128, 4096, 4096, 0, False, sm.StreamConfig()),
             ("int4", 64, 4096, 4096, 128, False, sm.StreamConfig(cluster=2)),
             ("int8", 64, 4096, 14336, 0, False, sm.StreamConfig(cluster=4, wg_rows=64)),
+            ("int4", 1, 4096, 4096, 32, True, sm.StreamConfig(overlap=True)),
+            ("int4", 64, 14336, 4096, 128, False, sm.StreamConfig(overlap=True, cluster=2)),
         )
     )
 ]
