@@ -108,22 +108,18 @@ def test_tensor_parallel_smollm2_shape():
 
 
 @pytest.mark.slow
-def test_expert_parallel_2_4_8():
-    _run("moe", [{"expert_parallel_size": n} for n in (2, 4, 8)])
-
-
-@pytest.mark.slow
-def test_tensor_and_expert_parallel_compose():
-    """TP alone (the 8 experts spread over the tensor axis), TP x EP (over both: 2 experts per device at 2 x 2, one
-    at 2 x 4)."""
-    _run(
-        "moe",
-        [
-            _tp(2),
-            {"tensor_parallel_size": 2, "expert_parallel_size": 2},
-            {"tensor_parallel_size": 2, "expert_parallel_size": 4},
-        ],
-    )
+def test_expert_parallel_2_4_8_and_composed_with_tensor_parallel():
+    """EP alone at 2, 4 and 8; TP alone (the 8 experts spread over the tensor axis); TP x EP (over both: 2 experts
+    per device at 2 x 2, one at 2 x 4). One process and one one-device reference for all six meshes (each engine
+    compiles its own steps; a second process would only repeat the JAX start-up and the reference); a mismatch
+    names its mesh."""
+    meshes = [{"expert_parallel_size": n} for n in (2, 4, 8)] + [
+        _tp(2),
+        {"tensor_parallel_size": 2, "expert_parallel_size": 2},
+        {"tensor_parallel_size": 2, "expert_parallel_size": 4},
+    ]
+    out = _run("moe", meshes)
+    assert out["meshes"] == [json.dumps(m) for m in meshes]
 
 
 def test_invalid_meshes_are_refused():
