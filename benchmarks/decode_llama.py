@@ -71,12 +71,10 @@ def bench(
     if fmt != "bf16":
         quantize_model(model, fmt)
     weight_bytes = stored_bytes(model)  # one copy: the stream layout's second copy is not read twice a step
-    if stream_layout:  # the Mosaic GPU streaming kernel's weight copy (model/quant.py with_stream_layout)
-        from model import quant, transformer
+    if stream_layout:  # the Mosaic GPU streaming kernel's weight copy (the engine's quantized_stream_layout)
+        from serving.engine.quantize import add_stream_layout
 
-        for slot in transformer._storage_slots(model).values():
-            if isinstance(slot.get_value(), quant.QuantizedArray):
-                slot.set_value(quant.with_stream_layout(slot.get_value()))
+        add_stream_layout(model)
     jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
     init_s = time.perf_counter() - t0
     kv_dtype = kv_dtype_of(kv_cache_dtype, jnp.bfloat16)

@@ -149,7 +149,11 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
 
     if w.fmt == "int8" and w.group_size:
         return w
-    return dataclasses.replace(w, stream=prepare(w.values, w.scales, w.zeros, fmt=w.fmt, group_size=w.group_size))
+    stream = prepare(w.values, w.scales, w.zeros, fmt=w.fmt, group_size=w.group_size)
+    # prepare may hand back w's own scales: no leaf may be one buffer twice (in-place weight updates donate them).
+    mine = {id(x) for x in jax.tree.leaves(w)}
+    stream = jax.tree.map(lambda x: jnp.copy(x) if id(x) in mine else x, stream)
+    return dataclasses.replace(w, stream=stream)
 
 
 def _stream_ok(rows: int, x_dtype, out_dtype) -> bool:

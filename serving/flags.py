@@ -79,6 +79,11 @@ flags.DEFINE_enum("quantization", _D.quantization.method, list(QUANTIZATIONS), "
 flags.DEFINE_string(
     "calibration_file", _D.quantization.calibration_file, "calibration text for awq / gptq / w8a8 (default: built in)"
 )
+flags.DEFINE_boolean(
+    "quantized_stream_layout",
+    _D.quantization.stream_layout,
+    "int8 / fp8: also keep the weights in the Hopper streaming kernel's layout (faster decode, twice the weights)",
+)
 # Runtime
 flags.DEFINE_enum(
     "attention_backend",

@@ -30,7 +30,7 @@ from serving.core.request import CompletionOutput, Request, RequestOutput, Sampl
 from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.decode_loop import DecodeLoops, has_penalties
 from serving.engine.executable_cache import caches_compiled_code
-from serving.engine.quantize import kv_cache_dtype, quantize_model
+from serving.engine.quantize import add_stream_layout, kv_cache_dtype, quantize_model
 from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, pad_sampling, sample_rows, size_kv_pool
 from serving.engine.speculate import make_spec_decoder
 from serving.engine.structured import StructuredOutputs, sample_rows_masked
@@ -73,6 +73,8 @@ class LLMEngine:
         self.max_model_len = max_model_len = c.max_model_len or model.cfg.max_position_embeddings
         if c.quantization.method is not None:  # weights quantised at load (serving/engine/quantize.py)
             quantize_model(model, c.quantization.method, tokenizer, calibration_file=c.quantization.calibration_file)
+            if c.quantization.stream_layout:
+                add_stream_layout(model)
         kv_dtype = kv_cache_dtype(c.kv_cache_dtype, model.dtype)
         default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
         num_blocks = c.num_kv_blocks or size_kv_pool(

@@ -166,6 +166,19 @@ def projection_inputs(model: transformer.Transformer, tokens_bt: np.ndarray) -> 
     return {n: np.concatenate(xs) for n, xs in recorded.items()}
 
 
+def add_stream_layout(model) -> int:
+    """Every int8 / fp8 W8A16 projection also stored in the Hopper streaming kernel's layout
+    (`quant.with_stream_layout`; the `quantized_stream_layout` option); returns how many."""
+    n = 0
+    for slot in transformer._storage_slots(model).values():
+        w = slot.get_value()
+        if isinstance(w, QuantizedArray) and w.fmt in ("int8", "fp8") and not (w.act_fmt or w.group_size or w.stream):
+            slot.set_value(quant.with_stream_layout(w))
+            n += 1
+    log.info("quantized_stream_layout: %d projections also in the streaming kernel's layout", n)
+    return n
+
+
 def quantize_model(model, method: str, tokenizer=None, *, calibration_file: str | None = None) -> list[str]:
     """Replaces the model's float projections by QuantizedArrays of `method`, in place; returns their names.
 
