@@ -143,8 +143,9 @@ def use_kernel(fmt: str, rows: int, n: int, x_dtype) -> bool:
 
 def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
     """w plus a copy in the Hopper streaming kernel's layout (transposed; built once, at load): `matmul` then takes
-    pallas_kernels/stream_matmul_mgpu.py for up to 256 rows on GPUs that run Mosaic GPU. Opt-in (not yet measured
-    against the Triton kernel); keeps `values`, so the weight's memory doubles. Grouped int8 is returned as is."""
+    pallas_kernels/stream_matmul_mgpu.py for up to 256 rows on GPUs that run Mosaic GPU (the engine's opt-in
+    `quantized_stream_layout`; faster 8B decode for int8 / fp8 on the H200, BENCHMARKS.md); keeps `values`, so the
+    weight's memory doubles. Grouped int8 is returned as is."""
     from pallas_kernels.stream_matmul_mgpu import prepare
 
     if w.fmt == "int8" and w.group_size:
