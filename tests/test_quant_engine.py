@@ -189,13 +189,33 @@ def test_pool_holds_about_twice_the_blocks(monkeypatch):
     m.cfg = cfg
     per = {d: runner_mod.kv_bytes_per_block(m, 16, d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)}
     assert per[jnp.int8] == per[jnp.float8_e4m3fn] == 2 * cfg.num_layers * cfg.num_kv_heads * 16 * (128 + 4)
-    monkeypatch.setattr(runner_mod, "_host_free_bytes", lambda: 1 << 30)
-    if (jax.devices()[0].memory_stats() or {}).get("bytes_limit"):
-        pytest.skip("the pool is sized from device memory here; this test fixes the host's")
+    monkeypatch.setattr(runner_mod, "_free_bytes", lambda: (1 << 30, False))  # a host's memory
     blocks = {d: runner_mod.size_kv_pool(m, 16, d, 0.5, 1 << 40) for d in per}
     assert 1.9 < blocks[jnp.int8] / blocks[jnp.bfloat16] < 2.0
     assert 3.8 < blocks[jnp.float8_e4m3fn] / blocks[jnp.float32] < 4.0
     assert blocks[jnp.int8] == (1 << 29) // per[jnp.int8]
+    assert runner_mod.size_kv_pool(m, 16, jnp.int8, 0.5, 100) == 100  # a host: capped by what the limits use
+
+
+def _fake_mesh(tp: int, pp: int):
+    from types import SimpleNamespace
+
+    from sharding.mesh import PIPELINE, TENSOR
+
+    return SimpleNamespace(shape={TENSOR: tp, PIPELINE: pp}, axis_names=(TENSOR, PIPELINE), devices=np.zeros((tp, pp)))
+
+
+def test_kv_pool_sized_per_device_on_a_mesh(monkeypatch):
+    """On accelerators each device holds a block's pages for its KV heads and its stage's layers only, so the same
+    free memory holds tp * pp times the blocks (heads repeated up to tp when fewer: one head a device)."""
+    m = type("Model", (), {})()
+    m.cfg = ModelConfig.tiny(num_kv_heads=2)
+    monkeypatch.setattr(runner_mod, "_free_bytes", lambda: (1 << 30, True))  # a device's memory: no cap
+    one = runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100)
+    assert one == (1 << 29) // runner_mod.kv_bytes_per_block(m, 16, jnp.bfloat16) > 100
+    assert runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(2, 1)) == 2 * one
+    assert runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(2, 2)) == 4 * one
+    assert runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(4, 1)) == 2 * one  # 2 heads on 4
 
 
 def test_kv_cache_dtype_option():

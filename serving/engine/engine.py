@@ -77,22 +77,16 @@ class LLMEngine:
                 add_stream_layout(model)
         kv_dtype = kv_cache_dtype(c.kv_cache_dtype, model.dtype)
         default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
-        num_blocks = c.num_kv_blocks or size_kv_pool(
-            model, c.block_size, kv_dtype, c.kv_cache_memory_fraction, default_blocks
-        )
-        if jax.process_count() > 1 and not c.num_kv_blocks:  # one pool shape on every host: the smallest fits all
-            num_blocks = int(np.min(multihost_utils.process_allgather(np.int32(num_blocks))))
-        log.info(
-            "KV pool: %d blocks of %d tokens = %d tokens (%.2f GB of %s)",
-            num_blocks,
-            c.block_size,
-            (num_blocks - 1) * c.block_size,
-            num_blocks * kv_bytes_per_block(model, c.block_size, kv_dtype) / 1e9,
-            jax.numpy.dtype(kv_dtype).name,
-        )
+
+        def pool_size(placed, mesh) -> int:  # once the weights sit on their devices: each holds its share of KV
+            n = size_kv_pool(placed, c.block_size, kv_dtype, c.kv_cache_memory_fraction, default_blocks, mesh)
+            if jax.process_count() > 1:  # one pool shape on every host: the smallest fits all
+                n = int(np.min(multihost_utils.process_allgather(np.int32(n))))
+            return n
+
         self.runner = ModelRunner(
             model,
-            num_blocks=num_blocks,
+            num_blocks=c.num_kv_blocks or pool_size,
             block_size=c.block_size,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
@@ -103,6 +97,15 @@ class LLMEngine:
             executable_cache_dir=_executable_dir(c.compilation_cache_dir),
             mesh=_mesh(c, model.cfg, devices),
             pipeline_microbatches=c.pipeline_microbatches or None,
+        )
+        num_blocks = self.runner.num_blocks
+        log.info(
+            "KV pool: %d blocks of %d tokens = %d tokens (%.2f GB of %s)",
+            num_blocks,
+            c.block_size,
+            (num_blocks - 1) * c.block_size,
+            num_blocks * kv_bytes_per_block(model, c.block_size, kv_dtype) / 1e9,
+            jax.numpy.dtype(kv_dtype).name,
         )
         self.scheduler = Scheduler(
             num_blocks,

@@ -44,7 +44,7 @@ from model.transformer import Transformer
 from pallas_kernels.backend import resolve_backend
 from serving.engine.executable_cache import ExecutableCache
 from serving.engine.weights import place_on_mesh, swap_params
-from sharding.mesh import ParallelConfig, make_mesh
+from sharding.mesh import TENSOR, ParallelConfig, make_mesh
 from sharding.rules import kv_cache_heads, kv_cache_sharding
 
 log = logging.getLogger(__name__)
@@ -88,29 +88,32 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * kv_bytes_per_token_head(cfg.head_dim, dtype)
 
 
-def _host_free_bytes() -> int | None:
-    """MemAvailable of this host (Linux), or None where it cannot be read."""
+def _free_bytes() -> tuple[int | None, bool]:
+    """(free bytes, whether per device): the first local device's free memory (local: a multi-host job cannot read
+    the others'), else this host's MemAvailable (Linux; None where unreadable), where a CPU's KV pool lives."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), True
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")), None), False
     except OSError:
-        return None
-    return None
+        return None, False
 
 
-def size_kv_pool(model: Transformer, block_size: int, dtype, memory_fraction: float, max_blocks: int) -> int:
-    """Blocks that fit in `memory_fraction` of the memory left after loading, at most `max_blocks` (what the
-    engine's limits can ever use). Accelerators: the device's free memory; a CPU host: the host's available
-    memory (the KV pool lives in host RAM there)."""
-    stats = jax.local_devices()[0].memory_stats() or {}  # local: a multi-host job cannot read the others' memory
-    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
-    free = (limit - used) if limit else _host_free_bytes()
+def size_kv_pool(model: Transformer, block_size: int, dtype, memory_fraction: float, max_blocks: int, mesh=None) -> int:
+    """Blocks that fit in `memory_fraction` of the memory left after loading: accelerators by the device's free
+    memory, where a device of `mesh` holds a block's pages for its share of the KV heads (tensor axis) and layers
+    (pipeline axis) only; a CPU host by its available memory, at most `max_blocks` (what the limits can use)."""
+    free, per_device = _free_bytes()
     if free is None:
         return max_blocks
-    fit = int(free * memory_fraction // kv_bytes_per_block(model, block_size, dtype))
-    return max(2, min(max_blocks, fit) if not limit else fit)
+    per_block = kv_bytes_per_block(model, block_size, dtype)
+    if mesh is not None and per_device:
+        tp, hkv = mesh.shape.get(TENSOR, 1), model.cfg.num_kv_heads
+        per_block = per_block * kv_cache_heads(hkv, mesh) // (hkv * tp * num_stages(mesh))
+    fit = int(free * memory_fraction // per_block)
+    return max(2, fit if per_device else min(max_blocks, fit))
 
 
 class ModelRunner:
@@ -118,7 +121,8 @@ class ModelRunner:
 
     Args:
       model: the decoder (its parameters are split out, placed on `mesh` and passed to the compiled steps).
-      num_blocks: KV pages in the pool (page 0 is the null page that padding writes to).
+      num_blocks: KV pages in the pool (page 0 is the null page that padding writes to), or a function of
+        (placed model, mesh) that returns it.
       block_size: tokens per page.
       max_num_seqs: S, rows per step.
       max_num_batched_tokens: the largest token bucket.
@@ -167,6 +171,8 @@ class ModelRunner:
         gathers = resolve_backend(attention_backend, "ragged_paged_attention") in ("xla", "interpret")
         self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
         self.kv_dtype = kv_dtype or model.dtype
+        if callable(num_blocks):  # sized now that the parameters sit on their devices (the engine's size_kv_pool)
+            num_blocks = num_blocks(model, self.mesh)
         kv_heads = kv_cache_heads(self.cfg.num_kv_heads, self.mesh)  # repeated up to tp when fewer (model/kv.py)
         kv_args = (self.cfg.num_layers, num_blocks, block_size, kv_heads, self.cfg.head_dim, self.kv_dtype)
         if self.pipelined:
