@@ -247,6 +247,7 @@ def test_bench_as_two_processes(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
     args = ["--mode=latency", "--random_weights", "--model_preset=tiny", "--context=8", "--latency_tokens=8"]
     args += ["--batch_size=2", "--tensor_parallel_size=4", "--attention_backend=xla", "--compilation_cache_dir="]
+    args += ["--max_num_batched_tokens=16"]  # the bench compiles every bucket: one token bucket, not 16 .. 256
     args += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
     procs = [
         subprocess.Popen(
