@@ -288,10 +288,11 @@ def candidates_for(fmt_name):
     return INT4_CANDIDATES if FORMATS[fmt_name][0] == "int4" else DENSE_CANDIDATES
 
 
-def rows_of(best):
+def rows_of(best, impl: str = "ours"):
+    """JSON rows of the best config per case: {(fmt, k, n, m): (config, seconds, bytes, _)}."""
     return [
         dict(
-            impl="ours",
+            impl=impl,
             fmt=c[0],
             k=c[1],
             n=c[2],

@@ -205,8 +205,8 @@ def main(argv=None):
             best[case] = (tried[0][0], tried[0][1], nbytes, [(dataclasses.asdict(c), s) for c, s in tried])
             print(f"mgpu default {case[0]:14s} {case[1]:5d}x{case[2]:<5d} M={case[3]:<3d} "
                   f"{nbytes / tried[0][1] / 1e12:.2f} TB/s", flush=True)  # fmt: skip
-            qbench.dump(args.out, result | dict(rows=rows_of(best)))
-    result["rows"] = rows_of(best)
+            qbench.dump(args.out, result | dict(rows=qbench.rows_of(best, "mgpu")))
+    result["rows"] = qbench.rows_of(best, "mgpu")
 
     if not args.skip_peers:  # stage 3: peers of the same run
         triton = [f for f in args.triton_formats.split(",") if f]
@@ -227,29 +227,14 @@ def main(argv=None):
         best[case] = (top[0], top[1], nbytes, tried_rows)
         print(f"mgpu sweep({len(tried_rows)}) {case[0]:14s} {case[1]:5d}x{case[2]:<5d} M={case[3]:<3d} "
               f"{nbytes / top[1] / 1e12:.2f} TB/s {top[0]}", flush=True)  # fmt: skip
-        qbench.dump(args.out, result | dict(rows=rows_of(best)))
-    result["rows"] = rows_of(best)  # stage 2's rows were dumped as they came; these are the bests after the sweep
+        qbench.dump(args.out, result | dict(rows=qbench.rows_of(best, "mgpu")))
+    result["rows"] = qbench.rows_of(
+        best, "mgpu"
+    )  # stage 2's rows were dumped as they came; these are the bests after the sweep
     result["sweep"] = [dict(fmt=c[0], k=c[1], n=c[2], m=c[3], tried=v[3]) for c, v in best.items()]
     result["elapsed_s"] = time.time() - t0
     qbench.dump(args.out, result)
     print_table(result["rows"] + result["peers"], shapes)
-
-
-def rows_of(best):
-    return [
-        dict(
-            impl="mgpu",
-            fmt=c[0],
-            k=c[1],
-            n=c[2],
-            m=c[3],
-            seconds=sec,
-            bytes=b,
-            tb_s=b / sec / 1e12,
-            config=dataclasses.asdict(config),
-        )  # fmt: skip
-        for c, (config, sec, b, _) in best.items()
-    ]
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import pytest
 
 from pallas_kernels import quantized_matmul as qmm
 from pallas_kernels import stream_matmul_mgpu as sm
+from tests import test_quantized_matmul as qmm_tests
 
 # (name, fmt, K, N, group_size, asymmetric, per-tensor scale): N and K break the 128-row CTA and the 256 K padding
 CASES = (
@@ -37,18 +38,10 @@ def _has_hopper() -> bool:
 
 
 def make_weight(rng, fmt, k, n, g, asym, per_tensor):
-    """Random stored weight (values, scales, zeros) in quantized_matmul's (model/quant.py's) layout."""
-    if fmt == "bf16":
-        return jnp.asarray(rng.standard_normal((k, n)) * k**-0.5, jnp.bfloat16), None, None
-    if fmt == "int8":
-        return jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8), jnp.asarray(rng.uniform(0.1, 1, n)), None
-    if fmt == "fp8":
-        scale = jnp.float32(0.37) if per_tensor else jnp.asarray(rng.uniform(0.1, 1, n), jnp.float32)
-        return jnp.asarray(rng.standard_normal((k, n)) * 4, jnp.float8_e4m3fn), scale, None
-    values = jnp.asarray(rng.integers(0, 256, (k // 2, n)), jnp.uint8)
-    scales = jnp.asarray(rng.uniform(0.1, 1, (k // g, n)), jnp.float32)
-    zeros = jnp.asarray(rng.integers(0, 16, (k // g, n)), jnp.float32) if asym else None
-    return values, scales, zeros
+    """Random stored weight (values, scales, zeros) in quantized_matmul's layout (its tests' helper), bf16 scaled
+    by k^-0.5 so that outputs stay O(1)."""
+    values, scales, zeros = qmm_tests.make_weight(rng, fmt, k, n, g, asym, per_tensor)
+    return (values * k**-0.5).astype(jnp.bfloat16) if fmt == "bf16" else values, scales, zeros
 
 
 def errors(got, want):
