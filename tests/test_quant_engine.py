@@ -189,7 +189,7 @@ def test_pool_holds_about_twice_the_blocks(monkeypatch):
     m.cfg = cfg
     per = {d: runner_mod.kv_bytes_per_block(m, 16, d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)}
     assert per[jnp.int8] == per[jnp.float8_e4m3fn] == 2 * cfg.num_layers * cfg.num_kv_heads * 16 * (128 + 4)
-    monkeypatch.setattr(runner_mod, "_free_bytes", lambda: (1 << 30, False))  # a host's memory
+    monkeypatch.setattr(runner_mod, "_free_bytes", lambda mesh=None: (1 << 30, False))  # a host's memory
     blocks = {d: runner_mod.size_kv_pool(m, 16, d, 0.5, 1 << 40) for d in per}
     assert 1.9 < blocks[jnp.int8] / blocks[jnp.bfloat16] < 2.0
     assert 3.8 < blocks[jnp.float8_e4m3fn] / blocks[jnp.float32] < 4.0
@@ -210,7 +210,7 @@ def test_kv_pool_sized_per_device_on_a_mesh(monkeypatch):
     free memory holds tp * pp times the blocks (heads repeated up to tp when fewer: one head a device)."""
     m = type("Model", (), {})()
     m.cfg = ModelConfig.tiny(num_kv_heads=2)
-    monkeypatch.setattr(runner_mod, "_free_bytes", lambda: (1 << 30, True))  # a device's memory: no cap
+    monkeypatch.setattr(runner_mod, "_free_bytes", lambda mesh=None: (1 << 30, True))  # a device's memory: no cap
     one = runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100)
     assert one == (1 << 29) // runner_mod.kv_bytes_per_block(m, 16, jnp.bfloat16) > 100
     assert runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(2, 1)) == 2 * one

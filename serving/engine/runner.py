@@ -88,10 +88,11 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * kv_bytes_per_token_head(cfg.head_dim, dtype)
 
 
-def _free_bytes() -> tuple[int | None, bool]:
-    """(free bytes, whether per device): the first local device's free memory (local: a multi-host job cannot read
-    the others'), else this host's MemAvailable (Linux; None where unreadable), where a CPU's KV pool lives."""
-    stats = jax.local_devices()[0].memory_stats() or {}
+def _free_bytes(mesh=None) -> tuple[int | None, bool]:
+    """(free bytes, whether per device): the free memory of the mesh's first device of this process (a multi-host
+    job cannot read the others'), else this host's MemAvailable (Linux; None where unreadable; a CPU's KV pool)."""
+    mine = [d for d in (mesh.devices.flat if mesh is not None else ()) if d.process_index == jax.process_index()]
+    stats = (mine or jax.local_devices())[0].memory_stats() or {}
     if stats.get("bytes_limit"):
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0), True
     try:
@@ -105,7 +106,7 @@ def size_kv_pool(model: Transformer, block_size: int, dtype, memory_fraction: fl
     """Blocks that fit in `memory_fraction` of the memory left after loading: accelerators by the device's free
     memory, where a device of `mesh` holds a block's pages for its share of the KV heads (tensor axis) and layers
     (pipeline axis) only; a CPU host by its available memory, at most `max_blocks` (what the limits can use)."""
-    free, per_device = _free_bytes()
+    free, per_device = _free_bytes(mesh)
     if free is None:
         return max_blocks
     per_block = kv_bytes_per_block(model, block_size, dtype)
