@@ -74,7 +74,7 @@ def bench(
     if stream_layout:  # the Mosaic GPU streaming kernel's weight copy (the engine's quantized_stream_layout)
         from serving.engine.quantize import add_stream_layout
 
-        add_stream_layout(model)
+        add_stream_layout(model, ("int8", "fp8", "int4"))
     jax.block_until_ready(jax.tree.leaves(nnx_state(model)))
     init_s = time.perf_counter() - t0
     kv_dtype = kv_dtype_of(kv_cache_dtype, jnp.bfloat16)

@@ -166,13 +166,15 @@ def projection_inputs(model: transformer.Transformer, tokens_bt: np.ndarray) -> 
     return {n: np.concatenate(xs) for n, xs in recorded.items()}
 
 
-def add_stream_layout(model) -> int:
-    """Every int8 / fp8 W8A16 projection also stored in the Hopper streaming kernel's layout
-    (`quant.with_stream_layout`; the `quantized_stream_layout` option); returns how many."""
+def add_stream_layout(model, formats: tuple[str, ...] = ("int8", "fp8")) -> int:
+    """Every W8A16 projection of `formats` also stored in the Hopper streaming kernel's layout
+    (`quant.with_stream_layout`; the `quantized_stream_layout` option: int8 / fp8, the formats measured faster;
+    benchmarks may ask for int4 too); returns how many."""
     n = 0
     for slot in transformer._storage_slots(model).values():
         w = slot.get_value()
-        if isinstance(w, QuantizedArray) and w.fmt in ("int8", "fp8") and not (w.act_fmt or w.group_size or w.stream):
+        grouped8 = w.fmt != "int4" and w.group_size if isinstance(w, QuantizedArray) else False
+        if isinstance(w, QuantizedArray) and w.fmt in formats and not (w.act_fmt or grouped8 or w.stream):
             slot.set_value(quant.with_stream_layout(w))
             n += 1
     log.info("quantized_stream_layout: %d projections also in the streaming kernel's layout", n)
