@@ -3,8 +3,8 @@
     PYTHONPATH=. python benchmarks/decode_llama.py --preset llama3_8b --batches 1,64 --ctx 1024 --steps 32
     ... --formats bf16,int8,fp8,int4_rtn --kv_cache_dtypes auto,int8    (the per-format table of issue 13)
 
-For each (weight format, KV dtype) and batch size: a ModelRunner over a paged KV pool, every row at context `ctx` (pages assigned, contents
-random), timed `decode_loop` calls of `steps` on-device decode steps (model + sampling), reported as tokens/s,
+For each (weight format, KV dtype) and batch size: a ModelRunner over a paged KV pool, every row at context `ctx`
+(pages assigned, contents random), timed `decode_loop` calls of `steps` on-device decode steps (model + sampling), reported as tokens/s,
 ms/step and effective weight bandwidth (stored parameter bytes / step time). Also times a single-step call (one
 host round trip per token) and the start-up compile. Per format it also reports the stored weight bytes and how many
 sequences of `--concurrency_context` tokens the device's memory holds beside them (KV pool sized as the engine sizes
@@ -87,9 +87,21 @@ def bench(
         f"{concurrency_context} tokens; init+quantise {init_s:.1f}s",
         flush=True,
     )
+    results = {
+        "preset": preset,
+        "format": fmt,
+        "stream_layout": stream_layout,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_pool_blocks_at_0.9": pool_blocks,
+        "concurrency_context": concurrency_context,
+        "concurrent_sequences": concurrency,
+        "weight_bytes": weight_bytes,
+        "init_s": init_s,
+        "device": str(jax.devices()[0].device_kind),
+        "rows": [],
+    }
     if not batches:  # --batches "": memory and concurrency only
-        return dict(preset=preset, format=fmt, kv_cache_dtype=kv_cache_dtype, weight_bytes=weight_bytes,
-                    concurrency_context=concurrency_context, concurrent_sequences=concurrency, rows=[])  # fmt: skip
+        return results
     max_b = max(batches)
     blocks_per_row = -(-(ctx + steps * (repeats + 2)) // block_size)
     runner = ModelRunner(
@@ -102,21 +114,7 @@ def bench(
         attention_backend=backend,
         kv_dtype=kv_dtype,
     )
-    results = {
-        "preset": preset,
-        "format": fmt,
-        "stream_layout": stream_layout,
-        "kv_cache_dtype": kv_cache_dtype,
-        "kv_pool_blocks_at_0.9": pool_blocks,
-        "concurrency_context": concurrency_context,
-        "concurrent_sequences": concurrency,
-        "ctx": ctx,
-        "steps_per_call": steps,
-        "weight_bytes": weight_bytes,
-        "init_s": init_s,
-        "device": str(jax.devices()[0].device_kind),
-        "rows": [],
-    }
+    results |= {"ctx": ctx, "steps_per_call": steps}
     rng = np.random.default_rng(0)
     for b in batches:
         rows = [

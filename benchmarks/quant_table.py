@@ -16,7 +16,7 @@ R = "benchmarks/results/"
 DECODE = {"XLA / Triton kernel": R + "decode_formats_llama3_8b_h200.json", "Mosaic streaming kernel":
           R + "decode_formats_stream_llama3_8b_h200.json"}  # fmt: skip
 QUALITY = R + "quant_quality_v2_g64.json"
-QUALITY_NAME = {"int8": "int8", "fp8": "fp8", "int4_rtn": "int4_rtn", "int4_awq": "int4_awq", "int4_gptq": "int4_gptq"}
+QUALITY_METHODS = ("int8", "fp8", "int4_rtn", "int4_awq", "int4_gptq")
 
 
 def decode_rows(path: str) -> dict:
@@ -56,7 +56,7 @@ def plot(out: str) -> None:
         ax.set_ylabel("tokens/s")
         ax.set_ylim(top=1.3 * max(v for rows in decode.values() for (f, b), v in rows.items() if b == batch))
         ax.legend(fontsize=8, loc="upper left")
-    methods = [m for m in QUALITY_NAME if (m, "prose") in quality]
+    methods = [m for m in QUALITY_METHODS if (m, "prose") in quality]
     for i, domain in enumerate(("prose", "code")):
         ys = [quality[(m, domain)] for m in methods]
         bars = axes[2].bar([j + i * 0.4 for j in range(len(methods))], ys, 0.4, label=domain)

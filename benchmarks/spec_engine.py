@@ -112,10 +112,10 @@ def _traced(llm: LLM, spec, domains: dict, args, method: str) -> dict:
     wall = time.perf_counter() - t0
     jax.profiler.stop_trace()
     row.pop("outputs")
-    timeline = device_timeline(trace_dir)
     passes = row.get("passes") or 0
-    return dict(domain=domain, wall_s=round(wall, 4), passes=passes, wall_ms_per_pass=round(1e3 * wall / passes, 3)
-                if passes else None, decode_tokens=row["decode_tokens"]) | timeline  # fmt: skip
+    per_pass = round(1e3 * wall / passes, 3) if passes else None
+    summary = dict(domain=domain, wall_s=round(wall, 4), passes=passes, wall_ms_per_pass=per_pass)
+    return summary | dict(decode_tokens=row["decode_tokens"]) | device_timeline(trace_dir)
 
 
 def main():

@@ -34,7 +34,7 @@ from model import layers, quant, transformer
 from model import quant_methods as qm
 from model.kv import NoCache
 from model.quant import QuantizedArray
-from serving.config import QUANTIZATIONS
+from serving.config import QUANTIZATIONS, STREAM_LAYOUT_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -166,17 +166,18 @@ def projection_inputs(model: transformer.Transformer, tokens_bt: np.ndarray) -> 
     return {n: np.concatenate(xs) for n, xs in recorded.items()}
 
 
-def add_stream_layout(model, formats: tuple[str, ...] = ("int8", "fp8")) -> int:
+def add_stream_layout(model, formats: tuple[str, ...] = STREAM_LAYOUT_METHODS) -> int:
     """Every W8A16 projection of `formats` also stored in the Hopper streaming kernel's layout
-    (`quant.with_stream_layout`; the `quantized_stream_layout` option: int8 / fp8, the formats measured faster;
-    benchmarks may ask for int4 too); returns how many."""
+    (`quant.with_stream_layout`, which leaves grouped int8 as it is; the `quantized_stream_layout` option: int8 /
+    fp8, the formats measured faster; benchmarks may ask for int4 too); returns how many."""
     n = 0
     for slot in transformer._storage_slots(model).values():
         w = slot.get_value()
-        grouped8 = w.fmt != "int4" and w.group_size if isinstance(w, QuantizedArray) else False
-        if isinstance(w, QuantizedArray) and w.fmt in formats and not (w.act_fmt or grouped8 or w.stream):
-            slot.set_value(quant.with_stream_layout(w))
-            n += 1
+        if isinstance(w, QuantizedArray) and w.fmt in formats and not (w.act_fmt or w.stream):
+            streamed = quant.with_stream_layout(w)
+            if streamed is not w:
+                slot.set_value(streamed)
+                n += 1
     log.info("quantized_stream_layout: %d projections also in the streaming kernel's layout", n)
     return n
 
