@@ -1,7 +1,8 @@
 """The `quantized_stream_layout` option: int8 / fp8 weights also stored in the Hopper streaming kernel's layout.
 
-On CPU the engine's matmul keeps the [K, N] path (the kernel needs Mosaic GPU), so the outputs must equal a plain
-int8 engine's exactly; the layout itself must hold the same weight (its own dequantise), and update_weights must
+The engine refuses the option where no Mosaic GPU kernel can read the copy. The engine tests below pretend this
+CPU can (the model's matmul still asks the device itself, so it keeps the [K, N] path) and the outputs must equal
+a plain int8 engine's exactly; the layout itself must hold the same weight (its own dequantise), and update_weights must
 rebuild it (else the compiled steps would read stale weights on a GPU).
 """
 
@@ -17,6 +18,7 @@ from model.quant import QuantizedArray
 from model.transformer import model_params, random_model
 from pallas_kernels.stream_matmul_mgpu import dequantize
 from serving.config import EngineConfig
+from serving.engine import engine as engine_mod
 from serving.engine.llm import LLM
 
 CFG = ModelConfig.tiny()
@@ -53,8 +55,15 @@ def test_option_checks():
         EngineConfig.from_kwargs(quantization="fp8", quantized_stream_layout=True, tensor_parallel_size=2)
 
 
+def test_refused_where_no_mosaic_gpu_kernel_runs(monkeypatch):
+    monkeypatch.setattr(engine_mod, "device_supports", lambda backend: False)
+    with pytest.raises(ValueError, match="quantized_stream_layout"):
+        _llm(quantization="int8", quantized_stream_layout=True).generate([PROMPT], max_tokens=1)  # builds the engine
+
+
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_engine_holds_both_layouts_and_update_rebuilds(method):
+def test_engine_holds_both_layouts_and_update_rebuilds(method, monkeypatch):
+    monkeypatch.setattr(engine_mod, "device_supports", lambda backend: True)
     plain, streamed = _llm(quantization=method), _llm(quantization=method, quantized_stream_layout=True)
     ws = _quantized(streamed)
     assert len(ws) == 4 * CFG.num_layers and all(w.stream is not None for w in ws)  # q|k|v, wo, gate|up, down

@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from model.sampling import SamplingTensors
+from pallas_kernels.backend import device_supports
 from serving.config import EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerOutput
@@ -73,7 +74,9 @@ class LLMEngine:
         self.max_model_len = max_model_len = c.max_model_len or model.cfg.max_position_embeddings
         if c.quantization.method is not None:  # weights quantised at load (serving/engine/quantize.py)
             quantize_model(model, c.quantization.method, tokenizer, calibration_file=c.quantization.calibration_file)
-            if c.quantization.stream_layout:
+            if c.quantization.stream_layout:  # a copy decode can only read through a Mosaic GPU kernel
+                if not device_supports("mosaic_gpu"):
+                    raise ValueError("quantized_stream_layout needs a GPU that runs Mosaic GPU kernels (Hopper)")
                 add_stream_layout(model)
         kv_dtype = kv_cache_dtype(c.kv_cache_dtype, model.dtype)
         default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
