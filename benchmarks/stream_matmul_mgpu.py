@@ -183,10 +183,13 @@ def main(argv=None):
     parser.add_argument("--skip_peers", action="store_true")
     parser.add_argument("--triton_formats", default="bf16,int8,int4_g128", help="formats timed on the Triton kernel")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes through the interpreter")
+    parser.add_argument("--shapes", default="", help="KxN,KxN (default: the four Llama-3-8B layer shapes)")
     args = parser.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
     shapes, interpret = qbench.SHAPES, None
+    if args.shapes:
+        shapes = tuple(tuple(int(d) for d in s.split("x")) for s in args.shapes.split(","))
     if args.smoke:
         shapes, interpret, qbench.COPY_BYTES = ((256, 128),), sm.plgpu.InterpretGPUParams(), 1
         qbench.SHAPES, qbench.INTERPRET = shapes, True  # the peers' rows too (Triton through its interpreter)
