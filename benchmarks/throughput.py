@@ -41,6 +41,9 @@ def main():
     p.add_argument("--memory_fraction", type=float, default=0.85)
     p.add_argument("--time_limit", type=float, default=400.0)
     p.add_argument("--out", default="throughput.json")
+    p.add_argument("--quantization", default="", help="a weight format of serving/engine/quantize.py ('' = bf16)")
+    p.add_argument("--kv_cache_dtype", default="auto", help="auto, int8 or fp8")
+    p.add_argument("--stream_layout", action="store_true", help="quantized_stream_layout (Hopper streaming kernel)")
     p.add_argument("--compilation_cache_dir", default=DEFAULT_COMPILATION_CACHE_DIR, help="'' disables it")
     a = p.parse_args()
     enable_compilation_cache(a.compilation_cache_dir)
@@ -61,6 +64,9 @@ def main():
         enable_prefix_caching=False,
         warmup=False,
         compilation_cache_dir=a.compilation_cache_dir,
+        quantization=a.quantization or None,
+        kv_cache_dtype=a.kv_cache_dtype,
+        quantized_stream_layout=a.stream_layout,
     )
     engine = LLMEngine(model, NullTokenizer(), config)
     engine_s = time.perf_counter() - t0
@@ -103,6 +109,9 @@ def main():
         "max_num_seqs": a.max_num_seqs,
         "max_num_batched_tokens": a.max_num_batched_tokens,
         "decode_steps": a.decode_steps,
+        "quantization": a.quantization or "bf16",
+        "kv_cache_dtype": a.kv_cache_dtype,
+        "stream_layout": a.stream_layout,
         "finished": len(done),
         "wall_s": wall,
         "compile_s_during_run": compile_s,
