@@ -30,7 +30,10 @@ of adjacent row blocks and share each weight tile by TMA multicast); per tile
 
 M needs no padding to the tile: the last row block's loads read past M (TMA fills zeros) and its stores write
 only the valid rows (grouped_matmul.store_rows: one TMA box per set bit of the row count; or, with
-`swizzled_epilogue`, whole boxes that the TMA unit clips at M). N must be a multiple of
+`swizzled_epilogue`, whole boxes that the TMA unit clips at the output's row count). A TMA copy to or from a
+swizzled SMEM tile describes the whole GMEM array in [8, swizzle] tiles, so that array's rows must be a multiple
+of 8 (Mosaic GPU's TileTransform.transform_gmem_shape raises otherwise): xq is padded to ROW_ALIGN rows, and so is
+the swizzled epilogue's output, whose padding rows are sliced off (`out_rows`). N must be a multiple of
 2 * tile_n and K of tile_k (ValueError otherwise): the Llama-3-8B layer shapes are.
 
 Interpreter (CPU tests, backend="interpret"): jax 0.11.2's Mosaic GPU interpreter runs the kernel unchanged.
@@ -155,7 +158,7 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
     # wq_gmem: [N, K] same dtype, K-major
     # xs_gmem: [cdiv(grid_m, cluster_m) * cluster_m * tile_m] f32 per-row scale (padded with ones past M)
     # ws_gmem: [N] f32 per-column scale
-    # out_gmem: [M, N] bf16 / f16
+    # out_gmem: [out_rows(M), N] bf16 / f16 (M, or M8 with the swizzled epilogue)
     m, n = out_gmem.shape
     tm, tn = cfg.tile_m, cfg.tile_n
     cta_n = COMPUTE_WGS * tn
@@ -243,8 +246,19 @@ def _store_boxes(out_smem, out_gmem, cfg: W8A8Config, row0, col0, tile):
 # Layer 2: the pallas_call builder ----------------------------------------------------------------------------------
 
 
+def out_rows(m: int, cfg: W8A8Config) -> int:
+    """Rows of the kernel's output array for M rows: M, or with the swizzled epilogue M rounded up to ROW_ALIGN.
+
+    The swizzled epilogue's TMA store tiles the whole output array in [8, swizzle] boxes, which needs its row count
+    to be a multiple of 8 (M = 333 failed to compile on the H200); the padding rows are computed from xq's zero
+    padding and sliced off by `_w8a8_call`.
+    """
+    return pl.cdiv(m, ROW_ALIGN) * ROW_ALIGN if cfg.swizzled_epilogue else m
+
+
 def _w8a8_call(xq, wq_nk, x_scale, w_scale, cfg: W8A8Config, out_dtype, interpret, num_sms: int):
     m, n = xq.shape[0], wq_nk.shape[0]
+    m_out = out_rows(m, cfg)
     rows = pl.cdiv(pl.cdiv(m, cfg.tile_m), cfg.cluster_m) * cfg.cluster_m * cfg.tile_m
     xs = jnp.pad(x_scale.reshape(m).astype(jnp.float32), (0, rows - m), constant_values=1.0)
     ws = jnp.broadcast_to(w_scale.astype(jnp.float32).reshape(-1), (n,))
@@ -253,7 +267,7 @@ def _w8a8_call(xq, wq_nk, x_scale, w_scale, cfg: W8A8Config, out_dtype, interpre
     cluster = dict(cluster=(cfg.cluster_m,), cluster_names=("cluster",)) if cfg.cluster_m > 1 else {}
     call = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg),
-        out_type=backend_lib.out_struct((m, n), out_dtype, [xq, wq_nk]),
+        out_type=backend_lib.out_struct((m_out, n), out_dtype, [xq, wq_nk]),
         grid=(num_sms // cfg.cluster_m,),
         grid_names=("sm",),
         **cluster,
@@ -262,7 +276,8 @@ def _w8a8_call(xq, wq_nk, x_scale, w_scale, cfg: W8A8Config, out_dtype, interpre
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )
-    return call(xq, wq_nk, xs, ws)
+    out = call(xq, wq_nk, xs, ws)
+    return out if m_out == m else out[:m]
 
 
 # Layer 3: the validated, jitted entry point ------------------------------------------------------------------------

@@ -194,11 +194,19 @@ def test_config_validation():
         pytest.param(
             "fp8", 4000, 4096, 4096, wm.W8A8Config(cluster_m=2, swizzled_epilogue=True), "m64n128k32", id="c2"
         ),
+        # M not a multiple of 8 with the swizzled epilogue: its TMA store tiles the whole output array in [8, 64]
+        # boxes, which failed to compile on the H200 until the output's rows were padded (w8a8_matmul.out_rows).
+        pytest.param("int8", 333, 128, 512, SWIZZLED, "m64n128k32.s32.s8.s8", id="int8_M333_swizzled"),
+        pytest.param(
+            "int8", 333, 384, 512, dataclasses.replace(SWIZZLED, cluster_m=2), "m64n128k32", id="int8_M333_c2"
+        ),
+        pytest.param("fp8", 77, 128, 512, SWIZZLED, "m64n128k32.f32.e4m3.e4m3", id="fp8_M77_swizzled"),
     ],
 )
 def test_lowers_for_cuda_on_cpu(fmt, m, k, n, cfg, instr):
-    """The Mosaic GPU lowering (K-major 8-bit operands, the s32 / f32 accumulator, the scale loads) runs without a
-    GPU and emits the 8-bit wgmma the format needs."""
+    """The Mosaic GPU lowering (K-major 8-bit operands, the s32 / f32 accumulator, the scale loads, the TMA
+    descriptors of every load and store, whose GMEM tiling checks run here) runs without a GPU and emits the 8-bit
+    wgmma the format needs."""
     dtype = wm.DTYPES[fmt]
     args = (
         jax.ShapeDtypeStruct((m, k), dtype),
@@ -209,6 +217,15 @@ def test_lowers_for_cuda_on_cpu(fmt, m, k, n, cfg, instr):
     fn = jax.jit(lambda a, b, c, d: wm._w8a8_call(a, b, c, d, cfg, jnp.bfloat16, None, 132))  # pylint: disable=protected-access
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert f"wgmma.mma_async.sync.aligned.{instr}" in text
+    assert fn.eval_shape(*args).shape == (m, n)
+
+
+def test_out_rows_tile_the_swizzled_store():
+    """The swizzled epilogue's output array has a multiple of 8 rows (what its TMA store's [8, 64] tiling needs);
+    the unswizzled one is exactly M rows (its ladder stores take any count)."""
+    for m in (1, 7, 8, 77, 333, 4000):
+        assert wm.out_rows(m, SWIZZLED) % 8 == 0 and 0 <= wm.out_rows(m, SWIZZLED) - m < 8
+        assert wm.out_rows(m, SMALL) == m
 
 
 @pytest.mark.parametrize("method", ["smoothquant_int8", "fp8_dynamic", "fp8_static"])
