@@ -35,7 +35,9 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "medusa")
 QUANTIZATIONS = ("int8", "fp8", "w8a8_fp8", "w8a8_int8", "int4_awq", "int4_gptq", "int4_rtn")
-STREAM_LAYOUT_METHODS = ("int8", "fp8")  # W8A16 formats the streaming kernel was measured faster for (H200)
+# Methods whose weights the Hopper streaming kernel reads faster than XLA (H200): int8 / fp8 W8A16, and int4 (0.7-0.9
+# TB/s of int4 bytes against XLA's dequantise-then-dot 0.27). W8A8 activations are quantised per call: not these.
+STREAM_LAYOUT_METHODS = ("int8", "fp8", "int4_rtn", "int4_awq", "int4_gptq")
 ATTENTION_BACKENDS = ("mosaic_gpu", "triton", "interpret", "xla")  # pallas_kernels.backend.BACKENDS
 
 
@@ -215,10 +217,11 @@ class QuantizationConfig:
         method: None (the checkpoint's dtype, or the checkpoint's own quantised format), or one of QUANTIZATIONS.
         calibration_file: text whose activations calibrate AWQ / GPTQ / SmoothQuant and the fp8 weights of fp8 /
             w8a8_fp8 (None: a small built-in text); int8 and int4_rtn need none.
-        stream_layout: int8 / fp8 only: also store each quantised weight in the Hopper streaming kernel's [N, K]
-            layout (pallas_kernels/stream_matmul_mgpu.py), which decode then runs on. On the H200 at Llama-3-8B
-            shape it took int8 from 215 to 265 tok/s at batch 1 and 3,971 to 9,436 at batch 64 (BENCHMARKS.md),
-            at the cost of a second copy of the quantised weights (less room for KV pages). Off by default.
+        stream_layout: int8 / fp8 / int4_* only (STREAM_LAYOUT_METHODS): also store each quantised weight in the
+            Hopper streaming kernel's [N, K] layout (pallas_kernels/stream_matmul_mgpu.py), which decode then runs
+            on (int4 weights a checkpoint kept quantised, GGUF Q4_0 / Q4_1, too). On the H200 at Llama-3-8B shape
+            it took int8 from 215 to 265 tok/s at batch 1 and 3,971 to 9,436 at batch 64 (BENCHMARKS.md), at the
+            cost of a second copy of the quantised weights (less room for KV pages). Off by default.
     """
 
     method: str | None = None
@@ -238,7 +241,7 @@ class QuantizationConfig:
             _check(self.method is not None, "calibration_file", self.calibration_file, "given with quantization")
         if self.stream_layout:
             _check(self.method in STREAM_LAYOUT_METHODS, "quantized_stream_layout", self.stream_layout,
-                   f"given with quantization {' or '.join(STREAM_LAYOUT_METHODS)}, not {self.method!r}")  # fmt: skip
+                   f"given with quantization {', '.join(STREAM_LAYOUT_METHODS)}, not {self.method!r}")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

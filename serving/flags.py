@@ -82,7 +82,7 @@ flags.DEFINE_string(
 flags.DEFINE_boolean(
     "quantized_stream_layout",
     _D.quantization.stream_layout,
-    "int8 / fp8: also keep the weights in the Hopper streaming kernel's layout (faster decode, twice the weights)",
+    "int8 / fp8 / int4_*: also keep the weights in the Hopper streaming kernel's layout (faster decode, 2x weights)",
 )
 # Runtime
 flags.DEFINE_enum(

@@ -61,7 +61,7 @@ REFUSED = dict(
     speculative_draft_layers=4,  # refused alone: it needs method "self"
     quantization="int8",
     calibration_file="calib.txt",  # refused alone: it needs a quantization
-    quantized_stream_layout=True,  # refused alone: it needs quantization int8 or fp8
+    quantized_stream_layout=True,  # refused alone: it needs quantization int8, fp8 or int4_*
 )
 
 

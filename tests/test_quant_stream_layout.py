@@ -1,4 +1,4 @@
-"""The `quantized_stream_layout` option: int8 / fp8 weights also stored in the Hopper streaming kernel's layout.
+"""The `quantized_stream_layout` option: int8 / fp8 / int4 weights also stored in the Hopper streaming kernel's layout.
 
 The engine refuses the option where no Mosaic GPU kernel can read the copy. The engine tests below pretend this
 CPU can (the model's matmul still asks the device itself, so it keeps the [K, N] path) and the outputs must equal
@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model import quant
 from model.config import ModelConfig
 from model.quant import QuantizedArray
 from model.transformer import model_params, random_model
+from pallas_kernels import stream_matmul_mgpu as stream_mod
 from pallas_kernels.stream_matmul_mgpu import dequantize
 from serving.config import EngineConfig
 from serving.engine import engine as engine_mod
@@ -47,8 +49,11 @@ def _generate(llm: LLM) -> list[int]:
 
 def test_option_checks():
     assert EngineConfig.from_kwargs(quantization="int8", quantized_stream_layout=True).quantization.stream_layout
-    with pytest.raises(ValueError, match="quantized_stream_layout"):
-        EngineConfig.from_kwargs(quantization="int4_rtn", quantized_stream_layout=True)
+    for method in ("int4_rtn", "int4_awq", "int4_gptq"):
+        assert EngineConfig.from_kwargs(quantization=method, quantized_stream_layout=True).quantization.stream_layout
+    for method in ("w8a8_fp8", "w8a8_int8"):  # activations quantised per call: the streaming kernel takes bf16 x
+        with pytest.raises(ValueError, match="quantized_stream_layout"):
+            EngineConfig.from_kwargs(quantization=method, quantized_stream_layout=True)
     with pytest.raises(ValueError, match="quantized_stream_layout"):
         EngineConfig.from_kwargs(quantized_stream_layout=True)  # no quantisation
     with pytest.raises(ValueError, match="quantized_stream_layout"):
@@ -78,3 +83,43 @@ def test_engine_holds_both_layouts_and_update_rebuilds(method, monkeypatch):
     assert not np.array_equal(np.asarray(ws[0].stream.wt), before)  # rebuilt from the new weights
     plain.update_weights(new)
     assert _generate(streamed) == _generate(plain)
+
+
+def test_int4_engine_decodes_through_the_interpreted_kernel(monkeypatch):
+    """int4 (group 64 and, for down's K = 96, 32; float zero points) with the stream layout: every projection of a
+    bf16 engine runs the streaming kernel (the Mosaic GPU interpreter here) and greedy tokens equal a plain int4
+    engine's, which dequantises in XLA."""
+    monkeypatch.setattr(engine_mod, "device_supports", lambda backend: True)
+    monkeypatch.setattr(quant, "STREAM_BACKEND", "interpret")
+    calls = []
+    real = stream_mod.stream_matmul
+    monkeypatch.setattr(stream_mod, "stream_matmul", lambda x, w, **kw: calls.append(w.fmt) or real(x, w, **kw))
+
+    def llm(**options):
+        return LLM.from_model(random_model(CFG, jnp.bfloat16, seed=3), None, **(OPTS | options))
+
+    plain, streamed = llm(quantization="int4_rtn"), llm(quantization="int4_rtn", quantized_stream_layout=True)
+    ws = _quantized(streamed)
+    assert {w.group_size for w in ws} == {32, 64} and all(w.zeros is not None and _same_weight(w) for w in ws)
+    tokens = _generate(plain)
+    assert not calls
+    assert _generate(streamed) == tokens
+    assert calls and set(calls) == {"int4"}  # traced once per projection and step shape
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_gguf_kept_q4_is_the_same_int4_format(type_name):
+    """GGUF Q4_0 / Q4_1 weights kept quantised (checkpoints/gguf_quant.py) are "int4" group 32, symmetric / with
+    float zero points: the stream layout takes them and holds the same weight (quantize_model keeps them as they are,
+    so the option streams them too)."""
+    from checkpoints import gguf_quant  # noqa: PLC0415
+
+    k, n = 96, 40
+    rng = np.random.default_rng(5)
+    nb = k // gguf_quant.BLOCK
+    d = rng.uniform(0.01, 0.1, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    head = [d] if type_name == "Q4_0" else [d, rng.uniform(-0.5, 0.5, (n, nb, 1)).astype(np.float16).view(np.uint8)]
+    qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+    w = gguf_quant.to_quantized(np.concatenate([*head, qs], axis=-1).reshape(-1), type_name, (k, n))
+    assert w.fmt == "int4" and w.group_size == 32 and (w.zeros is None) == (type_name == "Q4_0")
+    assert _same_weight(quant.with_stream_layout(w))

@@ -166,10 +166,15 @@ def projection_inputs(model: transformer.Transformer, tokens_bt: np.ndarray) -> 
     return {n: np.concatenate(xs) for n, xs in recorded.items()}
 
 
-def add_stream_layout(model, formats: tuple[str, ...] = STREAM_LAYOUT_METHODS) -> int:
-    """Every W8A16 projection of `formats` also stored in the Hopper streaming kernel's layout
-    (`quant.with_stream_layout`, which leaves grouped int8 as it is; the `quantized_stream_layout` option: int8 /
-    fp8, the formats measured faster; benchmarks may ask for int4 too); returns how many."""
+# QuantizedArray formats of the STREAM_LAYOUT_METHODS (every int4_* method stores "int4"; so do a checkpoint's kept
+# GGUF Q4_0 / Q4_1 weights, which quantize_model leaves as they are).
+STREAM_LAYOUT_FORMATS = tuple(dict.fromkeys(m.split("_")[0] for m in STREAM_LAYOUT_METHODS))
+
+
+def add_stream_layout(model, formats: tuple[str, ...] = STREAM_LAYOUT_FORMATS) -> int:
+    """Every weight-only projection of `formats` (QuantizedArray.fmt) also stored in the Hopper streaming kernel's
+    layout (`quant.with_stream_layout`, which leaves grouped int8 as it is; the `quantized_stream_layout` option:
+    int8 / fp8 / int4, the formats measured faster than XLA); returns how many."""
     n = 0
     for slot in transformer._storage_slots(model).values():
         w = slot.get_value()
