@@ -5,7 +5,8 @@ In a fresh process with 8 forced CPU devices (SCRIPT), the same random float32 m
 with dp=1 and with dp=2, dp=2 x tp=2 and dp=4 x tp=2 through `LLM.from_model(...)`: greedy and seeded-sampled
 outputs (chunked prefill over a 16-token budget, 4-step decode loops, a prefix-cache hit on a repeated prompt)
 equal dp=1's, every replica holds its own disjoint devices and took requests; then the same requests through the
-server's AsyncEngine (submitted together, so dispatch spreads them) give the same tokens. Start-up refuses a mesh
+server's AsyncEngine over the same replicas (submitted together, so dispatch spreads them; no second engine to
+compile) give the same tokens. Start-up refuses a mesh
 with more devices than exist or heads that do not divide, naming the number; dispatch itself is tested here on
 plain numbers.
 """
@@ -68,7 +69,7 @@ for degrees in ({}, {"data_parallel_size": 2}, {"data_parallel_size": 2, "tensor
         assert set().union(*meshes) == set(jax.devices()[: dp * tp]), meshes  # disjoint slices, all used
         assert all(r.num_steps > 0 for r in engine.replicas), [r.num_steps for r in engine.replicas]
         assert engine.scheduler.prefix_hit_tokens >= 12
-        served = asyncio.run(serve(LLM.from_model(random_model(cfg, jnp.float32, seed=7), None, **options, **degrees)))
+        served = asyncio.run(serve(llm))  # the same replicas (compiled), now driven by the server's loop
         assert served == results["{}"][: len(prompts)], (degrees, served)
 base = results.pop("{}")
 for key, got in results.items():
