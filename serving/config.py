@@ -184,6 +184,8 @@ class SpeculativeConfig:
         speculative_batch_threshold: speculate only while fewer than this many sequences run (k shrinks
             geometrically on the way there, serving/core/spec_policy.py); 0: at any batch size.
         speculative_draft_layers: layers of the target the "self" draft runs (0: half of them; method "self" only).
+        device_loop: method "ngram": draft, verify and accept inside the on-device decode loop
+            (serving/engine/spec_loop.py) when every row could loop; False: one host round trip per verify pass.
     """
 
     method: str | None = None
@@ -191,6 +193,7 @@ class SpeculativeConfig:
     speculative_model: str | None = None
     speculative_batch_threshold: int = 0
     speculative_draft_layers: int = 0
+    device_loop: bool = True
 
     def __post_init__(self):
         if self.method is not None:
@@ -207,6 +210,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_model is needed by, and only by, speculative_method='draft' or 'medusa'")
         if self.speculative_draft_layers and self.method != "self":
             raise ValueError("speculative_draft_layers needs speculative_method='self'")
+        _check(isinstance(self.device_loop, bool), "speculative_device_loop", self.device_loop, "a bool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +299,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "speculative_model": ("speculative", "speculative_model"),
     "speculative_batch_threshold": ("speculative", "speculative_batch_threshold"),
     "speculative_draft_layers": ("speculative", "speculative_draft_layers"),
+    "speculative_device_loop": ("speculative", "device_loop"),
     "quantization": ("quantization", "method"),
     "calibration_file": ("quantization", "calibration_file"),
     "quantized_stream_layout": ("quantization", "stream_layout"),

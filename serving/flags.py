@@ -75,6 +75,9 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "speculative_draft_layers", _D.speculative_draft_layers, "target layers the self-speculative draft runs (0: half)"
 )
+flags.DEFINE_bool(
+    "speculative_device_loop", _D.speculative.device_loop, "n-gram speculation inside the on-device decode loop"
+)
 flags.DEFINE_enum("quantization", _D.quantization.method, list(QUANTIZATIONS), "weight quantisation, done at load")
 flags.DEFINE_string(
     "calibration_file", _D.quantization.calibration_file, "calibration text for awq / gptq / w8a8 (default: built in)"

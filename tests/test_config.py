@@ -42,6 +42,7 @@ NON_DEFAULT = dict(
     policy="priority",
     decode_steps=4,
     async_scheduling=False,
+    speculative_device_loop=False,  # accepted alone: it only matters with speculative_method="ngram"
     attention_backend="xla",
     warmup=False,
     compilation_cache_dir="/tmp/xla-cache",

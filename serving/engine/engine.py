@@ -33,6 +33,7 @@ from serving.engine.decode_loop import DecodeLoops, has_penalties
 from serving.engine.executable_cache import caches_compiled_code
 from serving.engine.quantize import add_stream_layout, kv_cache_dtype, quantize_model
 from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, pad_sampling, sample_rows, size_kv_pool
+from serving.engine.spec_loop import SpecLoops
 from serving.engine.speculate import make_spec_decoder
 from serving.engine.structured import StructuredOutputs, sample_rows_masked
 from sharding.config import check_parallel
@@ -128,6 +129,7 @@ class LLMEngine:
         self.loops = DecodeLoops(self, _sampling_tensors)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)  # constrained requests
         self.spec = make_spec_decoder(self, model, _sampling_tensors, _logprob_entry)  # None: speculation off
+        self.spec_loops = SpecLoops(self, _sampling_tensors, c.speculative.device_loop)  # n-gram drafts on device
         self.overlap = c.async_scheduling
         self._inflight = None  # a decode loop launched but not applied yet
         if c.warmup or (c.warmup is None and jax.default_backend() != "cpu"):
@@ -162,6 +164,7 @@ class LLMEngine:
                     _take_rows(self.runner.zero_logits(n), np.zeros(s, np.int32))
         if widths is None and self.spec is not None:
             self.spec.warmup()  # the verify pass's acceptance function, per logits and row bucket
+        self.spec_loops.warmup(widths)  # the on-device speculative loop, per decode bucket (n-gram only)
 
     # Requests ------------------------------------------------------------------------------------------------
 
@@ -217,12 +220,15 @@ class LLMEngine:
         the device runs loop N+1 while the host applies loop N; serving/engine/decode_loop.py).
         """
         if self._inflight is None:
-            if self.spec is not None:
+            on_device = self.spec_loops.plan()  # n-gram speculation inside a device loop: no host drafts
+            if self.spec is not None and not on_device:
                 self.spec.before_schedule()  # drafts (or placeholders) for the decode rows
             out = self.scheduler.schedule()
             if out.is_empty:
                 return []
             self.runner.copy_blocks(out.cow_pairs)
+            if on_device and (done := self.spec_loops.run(out)) is not None:
+                return self._apply(out, *done)  # serving/engine/spec_loop.py
             if self.spec is not None and self.spec.takes(out):
                 return self._apply(out, *self.spec.step(out), None)  # one verify pass (serving/engine/speculate.py)
             limits = self.loops.limits(out)

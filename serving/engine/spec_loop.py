@@ -1,0 +1,353 @@
+"""Speculative decoding inside the on-device decode loop: n-gram drafting, verification and acceptance per iteration.
+
+The host-side speculative step (serving/engine/speculate.py) pays one host round trip per verify pass (~20 ms on the
+H200 with the host's work and dispatch gaps), while a pass over k + 1 tokens costs about what a one-token step does:
+per-pass overheads eat the gain. Here `num_steps` passes run inside one jitted `lax.while_loop`, like the plain
+decode loop (runner._loop_fn), so the round trip is paid once per loop. Per iteration, for every row:
+
+    draft     prompt lookup on the row's token history [S, H] (prompt + output so far): the k tokens that followed
+              the most recent earlier occurrence of its last n tokens, n from max_n down to min_n, exactly
+              NgramProposer's rule (`ngram_drafts`); no match (or the policy gave the row k = 0): no drafts
+    verify    one ragged pass of k + 1 query tokens per row (cu_q_lens = (k + 1) * row), logits at every one
+    accept    greedy rows: the longest prefix of drafts equal to the argmax, then the argmax; sampled rows:
+              rejection_sample on processed_target_probs with q one-hot, keys row_keys(seed, tokens generated)
+    advance   emitted tokens (capped at the row's remaining limit, cut after a stop id) go to the history and to
+              the output buffer [num_steps * (k + 1), S]; the row's position moves by their count
+
+KV: a pass writes positions pos .. pos + k; those past the accepted length hold rejected drafts and are overwritten
+by the next pass (which writes its own positions before attending to them), or lie past the row's computed length
+when the loop ends (the scheduler rolls nothing back: the next step writes them first). Positions at or past
+start + limit (the blocks reserved, DecodeLoops._reserve) go to the null page; the block table is padded inside the
+loop so the kernel never reads past it. A row past its limit, or stopped, writes only the null page.
+
+The engine takes this path when speculation is on with the n-gram proposer, `speculative_device_loop` is set, the
+policy gives some row drafts, and every row is a decode row that a plain decode loop could take (no stop strings,
+penalties, logprobs, min_tokens, grammar or logit bias: DecodeLoops._row_limit). With one compiled k the pass costs
+the same whatever a row drafts, so the policy's k per row only chooses between drafting (all k) and not (0).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.kv import PagedMeta
+from model.sampling import SamplingTensors
+from serving.core.request import Request, RequestStatus
+from serving.core.scheduler_output import SchedulerOutput
+from serving.engine.proposers import NgramProposer
+from serving.engine.runner import pad_sampling
+from serving.speculative import processed_target_probs, rejection_sample, row_keys
+
+MAX_STOP_IDS = 8  # stop ids per row the loop stops on (the scheduler applies every one anyway: this only saves work)
+
+
+def _source_hash() -> str:
+    """Key part for the executable cache, whose fingerprint covers the runner but not this module's traced code."""
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (__file__, os.path.join(here, "..", "speculative.py")):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def ngram_drafts(hist_sh, length_s, k: int, max_n: int, min_n: int, max_history: int):
+    """NgramProposer.propose_one on device: (drafts int32 [S, k], found bool [S]) for histories hist[s, :length[s]].
+
+    A window of n tokens ending at e matches the last n tokens iff hist[e - t] == hist[L - 1 - t] for t < n, so the
+    matches of n + 1 are those of n and one more comparison. Windows must start at or after L - max_history, end
+    before the last token (e <= L - 2), and n <= min(L, max_history) - 1; the longest matching n wins, then the most
+    recent window (largest e). The drafts continue from start = e + 1 with period L - start (a continuation past the
+    end copies its own drafts, as NgramProposer does).
+    """
+    s, h = hist_sh.shape
+    e = jnp.arange(h)[None, :]
+    length = length_s[:, None]
+    n_tok = jnp.minimum(length, max_history)
+    lo = length - n_tok
+    match = jnp.ones((s, h), bool)
+    best_e = jnp.zeros(s, jnp.int32)
+    found = jnp.zeros(s, bool)
+    for n in range(1, max_n + 1):
+        t = n - 1  # this n adds the comparison hist[e - t] == hist[L - 1 - t]
+        last_t = jnp.take_along_axis(hist_sh, jnp.maximum(length - 1 - t, 0), axis=1)  # [S, 1]
+        match = match & (jnp.roll(hist_sh, t, axis=1) == last_t)  # wrapped entries (e < t) fail `e - t >= lo`
+        if n < min_n:
+            continue
+        ok = match & (e - t >= lo) & (e <= length - 2) & (n <= n_tok - 1)
+        hit = jnp.any(ok, axis=1)
+        last = jnp.max(jnp.where(ok, e, -1), axis=1).astype(jnp.int32)
+        best_e = jnp.where(hit, last, best_e)  # a longer n overrides a shorter one
+        found = found | hit
+    start = best_e + 1
+    period = jnp.maximum(length_s - start, 1)
+    idx = start[:, None] + jnp.arange(k)[None, :] % period[:, None]
+    drafts = jnp.take_along_axis(hist_sh, jnp.clip(idx, 0, h - 1), axis=1)
+    return drafts.astype(jnp.int32), found
+
+
+def accept(logits_skv, drafts_sk, num_draft_s, st: SamplingTensors):
+    """(tokens [S, k+1], num_emitted [S]) of one verify pass: greedy rows take the argmax chain up to the first
+    draft that differs; sampled rows (temperature > 0) the rejection rule on the processed target probs (one lax.cond:
+    an all-greedy batch skips the vocabulary sort)."""
+    k = drafts_sk.shape[1]
+    argmax = jnp.argmax(logits_skv, axis=-1).astype(jnp.int32)  # [S, k+1]
+    same = (drafts_sk == argmax[:, :k]) & (jnp.arange(k)[None, :] < num_draft_s[:, None])
+    n_greedy = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=1), axis=1) + 1
+
+    def sampled(_):
+        probs = processed_target_probs(logits_skv, st)
+        return rejection_sample(probs, None, drafts_sk, num_draft_s, row_keys(st.seed, st.step))
+
+    tok_s, n_s = jax.lax.cond(jnp.any(st.temperature > 0), sampled, lambda _: (argmax, n_greedy), None)
+    hot = st.temperature > 0
+    return jnp.where(hot[:, None], tok_s, argmax), jnp.where(hot, n_s, n_greedy).astype(jnp.int32)
+
+
+def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
+    """The jitted loop: (params, kv, hist [S, H], length [S], tables [S, W], limits [S], draft_on [S], stop_ids
+    [S, MAX_STOP_IDS], st) -> (tokens [num_steps*(k+1), S], stats [1 + 2*num_steps, S], kv, router counts).
+
+    stats row 0: tokens each row emitted; rows 1..num_steps: drafts per iteration; the last num_steps rows: tokens
+    emitted per iteration. The output tree is the plain loop's (tokens, one array, kv, counts), so the runner's
+    executable cache loads it as a loop.
+    """
+    graphdef, backend, bs, mesh, cfg = runner.graphdef, runner.backend, runner.block_size, runner.mesh, runner.cfg
+    k1 = k + 1
+    max_n, min_n, max_history = ngram
+
+    def loop(params, kv, hist, length, tables, limits, draft_on, stop_ids, st: SamplingTensors):
+        model = nnx.merge(graphdef, params)
+        s = hist.shape[0]
+        rows = jnp.arange(s)
+        cu = (jnp.arange(s + 1) * k1).astype(jnp.int32)
+        cover = length - 1 + limits  # positions below this have reserved blocks
+        tables = jnp.pad(tables, ((0, 0), (0, -(-k1 // bs) + 1)))  # kv_len up to cover + k stays inside the table
+        j = jnp.arange(k1)[None, :]
+        out_len = num_steps * k1
+
+        def cond(carry):
+            i, _, _, _, _, count, done, _, _ = carry
+            return (i < num_steps) & jnp.any((count < limits) & ~done)
+
+        def body(carry):
+            i, hist, length, kv, out_tok, count, done, stats, routed = carry
+            active = (count < limits) & ~done
+            drafts, found = ngram_drafts(hist, length, k, max_n, min_n, max_history)
+            num_draft = jnp.where(found & draft_on & active, k, 0).astype(jnp.int32)
+            pos = (length - 1)[:, None] + j  # [S, k+1]
+            tok = jnp.concatenate([hist[rows, length - 1][:, None], drafts], axis=1)
+            real = active[:, None] & (pos < cover[:, None])
+            page = tables[rows[:, None], jnp.minimum(pos // bs, tables.shape[1] - 1)]
+            slots = jnp.where(real, page * bs + pos % bs, 0)
+            kv_lens = (length + k).astype(jnp.int32)
+            meta = PagedMeta(slots.reshape(-1), tables, kv_lens, cu, jnp.int32(s), False, backend, mesh)
+            valid = jnp.repeat(active, k1)[None]
+            logits, kv, counts = model(tok.reshape(1, -1), pos.reshape(1, -1), kv, meta, None, valid, True)
+            st_i = dataclasses.replace(st, step=st.step + count)
+            emitted, n_emit = accept(logits[0].reshape(s, k1, -1), drafts, num_draft, st_i)
+            n_emit = jnp.where(active, jnp.minimum(n_emit, limits - count), 0)
+            is_stop = jnp.any(emitted[:, :, None] == jnp.where(stop_ids >= 0, stop_ids, -2)[:, None, :], axis=2)
+            is_stop = is_stop & (j < n_emit[:, None])
+            stopped = jnp.any(is_stop, axis=1)
+            n_emit = jnp.where(stopped, jnp.argmax(is_stop, axis=1) + 1, n_emit).astype(jnp.int32)
+            keep = j < n_emit[:, None]
+            out_tok = out_tok.at[jnp.where(keep, count[:, None] + j, out_len), rows[:, None]].set(emitted, mode="drop")
+            hist = hist.at[rows[:, None], jnp.where(keep, length[:, None] + j, hist.shape[1])].set(emitted, mode="drop")
+            stats = stats.at[1 + i].set(num_draft).at[1 + num_steps + i].set(n_emit)
+            count = count + n_emit
+            return i + 1, hist, length + n_emit, kv, out_tok, count, done | stopped, stats, routed + counts
+
+        zeros = jnp.zeros(s, jnp.int32)
+        routed = jnp.zeros((cfg.num_layers, cfg.num_experts), jnp.int32)
+        out_tok = jnp.zeros((out_len, s), jnp.int32)
+        stats = jnp.zeros((1 + 2 * num_steps, s), jnp.int32)
+        init = (jnp.int32(0), hist, length, kv, out_tok, zeros, zeros > 0, stats, routed)
+        _, _, _, kv, out_tok, count, _, stats, routed = jax.lax.while_loop(cond, body, init)
+        return out_tok, stats.at[0].set(count), kv, routed
+
+    return jax.jit(loop, donate_argnums=(1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecLoopResult:
+    """A spec loop's results on the host, for its first num_rows rows."""
+
+    tokens: np.ndarray  # [num_steps * (k + 1), num_rows]
+    counts: np.ndarray  # [num_rows] tokens emitted
+    drafted: np.ndarray  # [num_steps, num_rows] drafts per iteration (0: the row did not draft, or was done)
+    emitted: np.ndarray  # [num_steps, num_rows] tokens emitted per iteration
+
+
+class SpecLoops:
+    """Decides when a step runs the on-device speculative loop, runs it, and feeds the policy and counters.
+
+    Called by the engine: `plan()` before the scheduler (True: this step's decode rows get no host drafts, the
+    loop drafts on device), then `run(out)` after it (None: run the step another way).
+    """
+
+    def __init__(self, engine, sampling_tensors, enabled: bool = True):
+        self._engine = engine  # reads its spec decoder, runner, scheduler, decode loops, config and max_model_len
+        self._sampling_tensors = sampling_tensors  # requests -> SamplingTensors (the engine's)
+        self.enabled = enabled
+        self.num_loops = 0
+        self._draft_on: dict[str, bool] | None = None
+        self._tag = _source_hash()
+
+    spec = property(lambda self: self._engine.spec)
+    runner = property(lambda self: self._engine.runner)
+    scheduler = property(lambda self: self._engine.scheduler)
+    num_steps = property(lambda self: max(1, self._engine.config.decode_steps))
+
+    @property
+    def proposer(self) -> NgramProposer | None:
+        spec = self.spec
+        ok = self.enabled and spec is not None and isinstance(spec.proposer, NgramProposer)
+        return spec.proposer if ok else None
+
+    @property
+    def k(self) -> int:
+        return self.spec.max_k
+
+    @property
+    def history(self) -> int:
+        """H, the history buffer's width: max_model_len rounded up to 128 (a row never grows past max_model_len)."""
+        return -(-self._engine.max_model_len // 128) * 128
+
+    def _key(self, s: int, w: int) -> tuple:
+        p = self.proposer
+        return ("spec_loop", self.num_steps, self.k, s, w, self.history, p.max_n, p.min_n, p.max_history, self._tag)
+
+    def _args(self, s: int, w: int):
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        st = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), SamplingTensors.from_rows([{}] * s))
+        r = self.runner
+        return (r.params, r.kv_cache, i32(s, self.history), i32(s), i32(s, w), i32(s), i32(s), i32(s, MAX_STOP_IDS), st)
+
+    def _build(self):
+        p = self.proposer
+        return spec_loop_fn(self.runner, self.num_steps, self.k, (p.max_n, p.min_n, p.max_history))
+
+    # Before and after the scheduler --------------------------------------------------------------------------
+
+    def plan(self) -> bool:
+        """Whether this step is the device loop's: every running request is a loop-able decode row and nothing
+        waits for a slot. Then the policy decides which rows draft, and no host drafts are made."""
+        self._draft_on = None
+        if self.proposer is None or not self.spec.active():
+            return False
+        sched, loops = self.scheduler, self._engine.loops
+        if sched.num_waiting and sched.num_running < self._engine.config.max_num_seqs:
+            return False  # a waiting request could be admitted: the host is needed between tokens
+        running = list(sched.running)
+        if not running or len(running) > self.runner.decode_buckets[-1]:
+            return False
+        for r in running:
+            if r.status is not RequestStatus.RUNNING or r.num_tokens - r.num_computed_tokens != 1:
+                return False
+            if loops._row_limit(r, 0) is None:
+                return False
+        self.spec._release_departed()
+        for r in running:
+            r.spec_token_ids = []
+        ks = self.spec.policy.num_speculative_tokens([r.request_id for r in running], batch_size=len(running))
+        self._draft_on = {r.request_id: k > 0 for r, k in zip(running, ks)}
+        return True
+
+    def run(self, out: SchedulerOutput) -> tuple[dict, None, dict] | None:
+        """Runs the loop over this step's rows; (sampled, None, computed) for Scheduler.update, or None."""
+        draft_on, self._draft_on = self._draft_on, None
+        if draft_on is None or not any(draft_on.values()):
+            return None
+        if any(len(sr.token_ids) != 1 or sr.num_draft or not sr.sample or sr.request_id not in draft_on
+               for sr in out.scheduled):  # fmt: skip
+            return None
+        reqs = [sr.request for sr in out.scheduled]
+        n_max = self.num_steps * (self.k + 1)
+        limits = [
+            min(n_max, r.sampling_params.max_tokens - r.num_output_tokens, self._engine.max_model_len - r.num_tokens)
+            for r in reqs
+        ]
+        if min(limits) < 1 or not self._engine.loops._reserve(reqs, limits):
+            return None
+        res = self.dispatch(reqs, limits, [draft_on[r.request_id] for r in reqs])
+        sampled, computed = {}, {}
+        c, policy = self.spec.counters, self.spec.policy
+        for i, r in enumerate(reqs):
+            n = int(res.counts[i])
+            sampled[r.request_id] = [int(t) for t in res.tokens[:n, i]]
+            computed[r.request_id] = n
+            for d, e in zip(res.drafted[:, i], res.emitted[:, i]):
+                if d > 0 and e > 0:  # a pass with drafts: e - 1 of them were accepted (and emitted)
+                    policy.observe(r.request_id, int(d), int(e) - 1)
+                    c.passes, c.drafted, c.accepted, c.emitted = (
+                        c.passes + 1,
+                        c.drafted + int(d),
+                        c.accepted + int(e) - 1,
+                        c.emitted + int(e),
+                    )
+        self.spec.num_verify_steps += int(np.count_nonzero(res.emitted.any(axis=1)))
+        return sampled, None, computed
+
+    def dispatch(self, reqs: Sequence[Request], limits: Sequence[int], draft_on: Sequence[bool]) -> SpecLoopResult:
+        """Runs one loop over `reqs` (running decode rows whose blocks cover num_tokens - 1 + limits[i] positions)
+        and waits for its results."""
+        r = self.runner
+        n = len(reqs)
+        s = next(b for b in r.decode_buckets if b >= n)
+        w = r._width([req.block_ids for req in reqs])
+        hist = np.zeros((s, self.history), np.int32)
+        length = np.ones(s, np.int32)  # padding rows: one token at position 0, limit 0 (the null page only)
+        tables = np.zeros((s, w), np.int32)
+        lim = np.zeros(s, np.int32)
+        on = np.zeros(s, np.int32)
+        stops = np.full((s, MAX_STOP_IDS), -1, np.int32)
+        for i, req in enumerate(reqs):
+            ids = req.all_token_ids
+            hist[i, : len(ids)] = ids
+            length[i] = len(ids)
+            tables[i, : len(req.block_ids)] = req.block_ids
+            lim[i], on[i] = limits[i], draft_on[i]
+            p = req.sampling_params
+            ids = (list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids)))[:MAX_STOP_IDS]
+            stops[i, : len(ids)] = ids
+        st = pad_sampling(self._sampling_tensors(reqs), s)
+        exe = r._executable(self._key(s, w), self._build, lambda: self._args(s, w))
+        out_tok, stats, r.kv_cache, routed = exe(r.params, r.kv_cache, hist, length, tables, lim, on, stops, st)
+        r._count_routed(routed)
+        self.num_loops += 1
+        tokens, stats = np.asarray(out_tok)[:, :n], np.asarray(stats)[:, :n]
+        m = self.num_steps
+        return SpecLoopResult(tokens, stats[0], stats[1 : 1 + m], stats[1 + m :])
+
+    def warmup(self, widths: Sequence[int] | None = None, threads: int | None = None) -> int:
+        """Compiles the loop for every decode bucket (at the given table widths) so nothing compiles while serving;
+        returns how many were compiled or loaded."""
+        if self.proposer is None:
+            return 0
+        r = self.runner
+        cap = max(1, min(r.max_num_seqs, self.spec.policy.config.batch_threshold))  # no row drafts from there on
+        todo = []
+        for w in r.width_buckets if widths is None else widths:
+            for s in [b for b in r.decode_buckets if b < 2 * cap]:  # up to the bucket holding cap
+                key, args = self._key(s, w), self._args(s, w)
+                if key not in r._compiled and r._from_disk(key, args) is None:
+                    todo.append((key, args))
+        threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = {pool.submit(self._build().lower(*args).compile): (key, args) for key, args in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                key, args = futures[fut]
+                exe = fut.result()
+                r._cache.store(key, args, r.mesh, exe)
+                r._keep(key, exe)
+        return len(todo)

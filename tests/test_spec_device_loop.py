@@ -1,0 +1,308 @@
+"""Speculative decoding inside the on-device decode loop (serving/engine/spec_loop.py), on CPU.
+
+The device drafts are NgramProposer's on random histories; greedy output through the engine is token-identical with
+the device loop, the host verify path and speculation off (tiny random model: max_tokens mid-iteration, a stop id,
+shared prefixes; SmolLM2 on text that repeats, so drafts are accepted, and on text that does not); sampled rows are
+reproducible per seed, and the first emitted token's empirical distribution through the loop is the target's
+processed one (chi-square; a wrong acceptance rule fails it); the counters agree with the tokens; warm-up compiles
+the loop for every decode bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from checkpoints.tokenizer import NullTokenizer
+from model.config import ModelConfig
+from model.kv import NoCache
+from model.sampling import SamplingTensors
+from model.transformer import random_model
+from serving.config import EngineConfig
+from serving.core.request import SamplingParams
+from serving.core.spec_policy import SpecPolicy
+from serving.engine import spec_loop
+from serving.engine.engine import LLMEngine
+from serving.engine.proposers import NgramProposer
+from serving.engine.runner import RowInput
+from serving.engine.speculate import policy_config
+from serving.speculative import processed_target_probs
+
+TINY = ModelConfig.tiny()
+OPTIONS = dict(
+    attention_backend="xla",
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    block_size=8,
+    num_kv_blocks=96,
+    max_model_len=128,
+    decode_steps=4,
+    speculative_method="ngram",
+    num_speculative_tokens=3,
+    warmup=False,
+)
+
+
+# On-device drafting ---------------------------------------------------------------------------------------------
+
+
+def _histories(rng, n_rows: int, h: int):
+    """Random histories over small alphabets (frequent matches), plus the edge cases: one token, no repeat at all, a
+    repeat ending right before the last token, a period-1 run."""
+    rows = [rng.integers(0, rng.choice([2, 3, 5, 40]), rng.integers(1, h - 8)).tolist() for _ in range(n_rows)]
+    return rows + [[7], list(range(10, 30)), [5, 6, 9, 1, 2, 3, 1, 2, 3], [4] * 6, [1, 2, 1]]
+
+
+@pytest.mark.parametrize("max_n, min_n, max_history", [(4, 1, 4096), (3, 2, 12), (1, 1, 9)])
+def test_device_drafts_match_ngram_proposer(max_n, min_n, max_history):
+    rng = np.random.default_rng(max_n * 10 + min_n)
+    h, k = 48, 5
+    rows = _histories(rng, 120, h)
+    hist = np.zeros((len(rows), h), np.int32)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = r
+    lengths = np.array([len(r) for r in rows], np.int32)
+    fn = jax.jit(spec_loop.ngram_drafts, static_argnums=(2, 3, 4, 5))
+    drafts, found = (np.asarray(a) for a in fn(hist, lengths, k, max_n, min_n, max_history))
+    proposer = NgramProposer(max_n=max_n, min_n=min_n, max_history=max_history)
+    hits = 0
+    for i, r in enumerate(rows):
+        want = proposer.propose_one(r, k)
+        assert bool(found[i]) == (want.size > 0), (i, r)
+        if want.size:
+            hits += 1
+            np.testing.assert_array_equal(drafts[i], want, err_msg=str((i, r)))
+    assert 20 < hits < len(rows)  # both outcomes are exercised
+
+
+# The engine ---------------------------------------------------------------------------------------------------
+
+
+def _always_drafting(engine):
+    """The policy without its probing rest, so every row drafts (a rested row would make these tests vacuous)."""
+    engine.spec.policy = SpecPolicy(policy_config(3, 0, probe_every=0))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = EngineConfig.from_kwargs(**OPTIONS)
+    return _always_drafting(LLMEngine(random_model(TINY, jnp.float32, seed=7), NullTokenizer(), config))
+
+
+@contextlib.contextmanager
+def _mode(engine, mode: str):
+    """'device': the on-device loop; 'host': one verify pass per host round trip; 'off': no speculation."""
+    spec, enabled = engine.spec, engine.spec_loops.enabled
+    engine.spec_loops.enabled = mode == "device"
+    engine.spec = None if mode == "off" else spec
+    try:
+        yield
+    finally:
+        engine.spec, engine.spec_loops.enabled = spec, enabled
+
+
+def _run(engine, requests, mode: str):
+    """Output token ids per request; every KV block is back (only the prefix cache holds some) afterwards."""
+    loops = engine.spec_loops.num_loops
+    with _mode(engine, mode):
+        rids = [engine.add_request(ids, params) for ids, params in requests]
+        while engine.has_unfinished():
+            engine.step()
+            engine.scheduler.check_invariants()
+    sched = engine.scheduler
+    assert sched.block_manager.num_used == (sched.cache.num_cached_blocks if sched.cache is not None else 0)
+    assert (engine.spec_loops.num_loops > loops) == (mode == "device")
+    return [list(engine.pop_finished(r).request.output_token_ids) for r in rids]
+
+
+def _tiny_requests():
+    rng = np.random.default_rng(3)
+    motif = rng.integers(3, 500, 5).tolist()
+    shared = rng.integers(3, 500, 19).tolist()
+    prompts = [motif * 6, shared + [11, 12], shared + [13], rng.integers(3, 500, 9).tolist()]
+    # max_tokens land inside a loop's iterations (a loop emits up to 4 * (3 + 1) tokens per row)
+    return [
+        (p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)) for p, m in zip(prompts, [37, 9, 22, 5])
+    ]
+
+
+def test_warmup_compiles_every_decode_bucket(tiny):
+    runner = tiny.runner
+    widths = runner.width_buckets[:1]
+    for key in [k for k in runner._compiled if k[0] == "spec_loop"]:  # compiled by the tests before: forget them
+        del runner._compiled[key]
+    assert tiny.spec_loops.warmup(widths) == len(runner.decode_buckets)
+    keys = {k for k in runner._compiled if k[0] == "spec_loop"}
+    assert {(k[3], k[4]) for k in keys} >= {(s, widths[0]) for s in runner.decode_buckets}
+    n = runner.num_compiles
+    assert tiny.spec_loops.warmup(widths) == 0 and runner.num_compiles == n
+    _run(tiny, _tiny_requests()[:3], "device")
+    assert {k for k in runner._compiled if k[0] == "spec_loop"} == keys  # no spec loop compiled while serving
+
+
+def test_greedy_device_loop_matches_host_path_and_off(tiny):
+    reqs = _tiny_requests()
+    off = _run(tiny, reqs, "off")
+    drafted = tiny.spec.counters.drafted
+    assert _run(tiny, reqs, "device") == off
+    assert tiny.spec.counters.drafted > drafted  # the loop drafted
+    assert _run(tiny, reqs, "host") == off
+    assert [len(o) for o in off] == [37, 9, 22, 5]
+
+
+def test_greedy_batch_of_one_and_stop_id(tiny):
+    prompt, params = _tiny_requests()[0]
+    (off,) = _run(tiny, [(prompt, params)], "off")
+    (dev,) = _run(tiny, [(prompt, params)], "device")
+    assert dev == off
+    stop = off[12]  # a stop id emitted mid-run: the output ends at its first occurrence
+    first = off.index(stop)
+    stopped = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
+    (got,) = _run(tiny, [(prompt, stopped)], "device")
+    assert got == off[: first + 1]
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    prompt = _tiny_requests()[0][0]
+    reqs = [(prompt, SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=s, ignore_eos=True)) for s in (1, 2)]
+    a = _run(tiny, reqs, "device")
+    assert _run(tiny, reqs, "device") == a
+    assert a[0] != a[1]
+    assert all(len(o) == 30 for o in a)
+
+
+# The distribution of sampled rows -------------------------------------------------------------------------------
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square p-value of `counts` against `probs` (cells expecting < 5 merged)."""
+    import scipy.stats
+
+    probs = probs.astype(np.float64)
+    expected = probs / probs.sum() * counts.sum()
+    if np.any(counts[expected == 0] > 0):
+        return 0.0  # a token outside the target's support
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep]))
+    return float(scipy.stats.chi2.sf(stat, int(keep.sum()) - 1))
+
+
+def _first_tokens(engine, hist: list[int], st_row: dict, n: int) -> np.ndarray:
+    """The first token n rows with the same history (seeds 0..n-1) emit through one loop iteration; all rows share
+    the history's KV blocks (their writes are identical: same tokens, same drafts)."""
+    r, k = engine.runner, engine.spec.max_k
+    bs = r.block_size
+    table = list(range(1, 1 + -(-(len(hist) + k + 1) // bs)))
+    r.forward([RowInput(hist[:-1], 0, table)])  # the history's KV but the last token's (the loop writes it)
+    fn = spec_loop.spec_loop_fn(r, 1, k, (4, 1, 4096))
+    hw = 128
+    tiled = np.zeros((n, hw), np.int32)
+    tiled[:, : len(hist)] = hist
+    st = SamplingTensors.from_rows([dict(st_row, seed=i) for i in range(n)])
+    tables = np.tile(np.asarray(table, np.int32), (n, 1))
+    args = (tiled, np.full(n, len(hist), np.int32), tables, np.full(n, k + 1, np.int32), np.ones(n, np.int32))
+    stops = np.full((n, spec_loop.MAX_STOP_IDS), -1, np.int32)
+    tok, stats, r.kv_cache, _ = fn(r.params, r.kv_cache, *args, stops, st)
+    stats = np.asarray(stats)
+    assert np.all(stats[1] == k)  # every row drafted
+    return np.asarray(tok)[0], stats
+
+
+def _target_probs(engine, hist: list[int], st_row: dict) -> np.ndarray:
+    r = engine.runner  # its parameters merged back into a model, run under plain causal attention
+    m = nnx.merge(r.graphdef, r.params)
+    toks = jnp.asarray([hist], jnp.int32)
+    logits = m(toks, jnp.arange(len(hist))[None], None, NoCache(jnp.asarray([len(hist)])))[0]
+    return np.asarray(processed_target_probs(logits[:, -1], SamplingTensors.from_rows([st_row])))[0]
+
+
+def _draft_history(engine, st_row: dict) -> tuple[list[int], int]:
+    """A history whose first draft d (the token after an earlier occurrence of its last token) has target
+    probability in [0.25, 0.75]: then both the acceptance and the residual draw matter."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(3, 500, 9).tolist()
+    for d in range(3, 500):
+        hist = base[:5] + [base[8], d] + base[5:9]
+        p = _target_probs(engine, hist, st_row)
+        if 0.25 <= p[d] <= 0.75:
+            return hist, d
+    raise AssertionError("no history with a mid-probability draft")
+
+
+N_DRAWS = 3000
+
+
+def test_first_token_distribution_is_the_targets(tiny, monkeypatch):
+    st_row = dict(temperature=1.0, top_k=4)
+    hist, d = _draft_history(tiny, st_row)
+    p = _target_probs(tiny, hist, st_row)
+    first, stats = _first_tokens(tiny, hist, st_row, N_DRAWS)
+    counts = np.bincount(first, minlength=p.size).astype(np.float64)
+    assert _chi2_pvalue(counts, p) > 0.01
+    accepted = stats[2] > 1
+    assert 0.1 < accepted.mean() < 0.9 and np.all(first[accepted] == d)  # both branches of the rule ran
+
+    def always_accept(target_probs, draft_probs, draft_tokens, num_draft, key):  # the wrong rule: no rejection
+        b, k1 = target_probs.shape[:2]
+        tokens = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        return tokens, jnp.minimum(num_draft + 1, k1)
+
+    monkeypatch.setattr(spec_loop, "rejection_sample", always_accept)
+    wrong, _ = _first_tokens(tiny, hist, st_row, N_DRAWS)
+    assert _chi2_pvalue(np.bincount(wrong, minlength=p.size).astype(np.float64), p) < 1e-6
+
+
+# SmolLM2: drafts that are accepted --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from serving.engine.llm import LLM
+
+    llm = LLM(**dict(OPTIONS, block_size=16, max_model_len=160, num_kv_blocks=64))
+    _always_drafting(llm.engine)
+    return llm
+
+
+def test_smollm2_greedy_identical_and_counters(smol, monkeypatch):
+    """Copy-heavy, free and fully repetitive prompts in one batch: the device loop's tokens are plain decoding's,
+    the counters add up, and on the repeating pattern nearly every draft is accepted."""
+    engine = smol.engine
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    prompts = [
+        smol.encode_prompt(f"Repeat this code exactly:\n{code}", chat=True),
+        smol.encode_prompt("Name three colours.", chat=True),
+        smol.encode_prompt("1, 2, 3, 4, " * 5, chat=False),
+    ]
+    reqs = [(p, SamplingParams(max_tokens=32, temperature=0.0)) for p in prompts]
+    off = _run(engine, reqs, "off")
+    per_row: dict = {}
+    dispatch = engine.spec_loops.dispatch
+
+    def spy(rows, limits, draft_on):  # each loop's drafts and accepted drafts, by prompt
+        res = dispatch(rows, limits, draft_on)
+        for i, r in enumerate(rows):
+            d, e = res.drafted[:, i], res.emitted[:, i]
+            got = per_row.setdefault(prompts.index(list(r.prompt_token_ids)), [0, 0])
+            got[0] += int(d.sum())
+            got[1] += int(np.where(d > 0, np.maximum(e - 1, 0), 0).sum())
+        return res
+
+    monkeypatch.setattr(engine.spec_loops, "dispatch", spy)
+    c = engine.spec.counters
+    before = (c.passes, c.drafted, c.accepted, c.emitted)
+    assert _run(engine, reqs, "device") == off
+    passes, drafted, accepted, emitted = (a - b for a, b in zip((c.passes, c.drafted, c.accepted, c.emitted), before))
+    assert drafted == 3 * passes and emitted == accepted + passes
+    assert [drafted, accepted] == [sum(v[0] for v in per_row.values()), sum(v[1] for v in per_row.values())]
+    assert per_row[0][1] > 0  # the code is copied: drafts accepted
+    assert per_row[2][1] > 0.8 * per_row[2][0], per_row  # the repeating pattern
