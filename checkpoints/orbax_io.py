@@ -7,7 +7,7 @@ Directory layout:
       params/                  orbax PyTree checkpoint of the flat canonical dict ("layers.0.wq": [D, Hq*hd], ...)
       tokenizer.json           } Tokenizer.save(), when the checkpoint has a tokenizer
       tokenizer_config.json    }
-      quantization.json        name -> {fmt, group_size, act_fmt, leaves, shape} of QuantizedArray weights, whose
+      quantization.json        name -> {fmt, group_size, act_fmt, layout, leaves, shape} of QuantizedArray weights, whose
                                arrays are stored as "NAME.q_values", "NAME.q_scales", ... (absent: none quantised)
 
 Restoring with a mesh hands orbax one ArrayRestoreArgs per array carrying its NamedSharding from
@@ -111,7 +111,12 @@ def _flatten_quantized(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[
             continue
         leaves = [leaf for leaf in _QUANT_LEAVES if getattr(value, leaf) is not None]
         quantized[name] = dict(
-            fmt=value.fmt, group_size=value.group_size, act_fmt=value.act_fmt, leaves=leaves, shape=list(value.shape)
+            fmt=value.fmt,
+            group_size=value.group_size,
+            act_fmt=value.act_fmt,
+            layout=value.layout,
+            leaves=leaves,
+            shape=list(value.shape),
         )
         flat.update({name + _QUANT_SEP + leaf: getattr(value, leaf) for leaf in leaves})
     return flat, quantized
@@ -126,7 +131,10 @@ def _restore_quantized(checkpointer, params_dir: str, name: str, desc: dict) -> 
         args=ocp.args.PyTreeRestore(item={k: 0 for k in keys.values()}, restore_args=args, partial_restore=True),
     )
     arrays = {leaf: jnp.asarray(restored[k]) for leaf, k in keys.items()}
-    return QuantizedArray(**arrays, fmt=desc["fmt"], group_size=desc["group_size"], act_fmt=desc["act_fmt"])
+    layout = desc.get("layout", "kn")  # checkpoints written before W8A8 weights were stored [N, K] have none
+    return QuantizedArray(
+        **arrays, fmt=desc["fmt"], group_size=desc["group_size"], act_fmt=desc["act_fmt"], layout=layout
+    )
 
 
 def load_config(directory: str) -> ModelConfig:

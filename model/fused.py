@@ -16,7 +16,7 @@ shards = 1 the layout is the plain concatenation. A part's output is `y.reshape(
 reshaped back: heads in order (repeated heads adjacent), so no collective is needed.
 
 Values may be host arrays (numpy), jax arrays, or QuantizedArrays whose column leaves (values, scales, zeros:
-last axis = output channel) concatenate; the per-input-channel pre_scale and the activation scale are shared by
+last axis = output channel; an "nk" weight's values are handled as their [K, N] transpose) concatenate; the per-input-channel pre_scale and the activation scale are shared by
 the parts of a group, so parts quantised separately with different ones (AWQ / SmoothQuant per projection) are
 dequantised to float instead (correct, at float size; quantising the fused weight shares them).
 """
@@ -109,7 +109,7 @@ def _same(a, b) -> bool:
 def _compatible(qs: Sequence[QuantizedArray]) -> bool:
     q0 = qs[0]
     for q in qs[1:]:
-        if (q.fmt, q.group_size, q.act_fmt) != (q0.fmt, q0.group_size, q0.act_fmt):
+        if (q.fmt, q.group_size, q.act_fmt, q.layout) != (q0.fmt, q0.group_size, q0.act_fmt, q0.layout):
             return False
         if (q.zeros is None) != (q0.zeros is None) or q.scales.ndim != q0.scales.ndim or q.scales.ndim == 0:
             return False
@@ -126,7 +126,13 @@ def _map_columns(values: Sequence[Any], fn):
         log.warning("fused projection: parts of different quantised layouts are dequantised to float32")
         return fn([v.dequantize(jnp.float32) if isinstance(v, QuantizedArray) else v for v in values])
     q0 = values[0]
-    leaves = {n: fn([getattr(v, n) for v in values]) for n in _COLUMN_LEAVES if getattr(q0, n) is not None}
+
+    def columns(q, name):  # the leaf with the output channel last
+        return q.values_kn if name == "values" else getattr(q, name)
+
+    leaves = {n: fn([columns(v, n) for v in values]) for n in _COLUMN_LEAVES if getattr(q0, n) is not None}
+    if q0.layout == "nk":  # back to [N, K] (load time: fusing and splitting are not per-call paths)
+        leaves["values"] = leaves["values"].T
     return dataclasses.replace(q0, **leaves)
 
 

@@ -16,6 +16,10 @@ Optional extensions (all default off, so the layouts above are unchanged):
                              per-input-channel factor from x into the weight); logical weight = pre_scale[:, None] * w
     act_fmt    "int8" | "fp8" | ""   W8A8: x (after pre_scale) is quantised per token (dynamic) or with the static
                              per-tensor `act_scale` [] and dequantised before the dot (the numerics of a W8A8 kernel)
+    layout     "kn" | "nk"   how `values` is stored: [K, N] (every format), or, per-channel int8 / fp8 only,
+                             transposed [N, K] (K contiguous: what Hopper's 8-bit wgmma and the streaming kernel
+                             read, so W8A8 weights are stored so at quantisation and never transposed per call);
+                             scales keep their [N] / [] shape; `shape` and `dequantize` are the logical [K, N]
 
 This file holds the data type and the plain-jnp dequantise-then-dot path; the Pallas streaming kernel
 (pallas_kernels/quantized_matmul.py) is selected by `matmul` on GPUs where it was measured faster than XLA;
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 FORMATS = ("int8", "fp8", "int4")
+LAYOUTS = ("kn", "nk")
 ACT_FORMATS = ("", "int8", "fp8")
 ACT_MAX = {"int8": 127.0, "fp8": 448.0}
 
@@ -50,12 +55,17 @@ class QuantizedArray:
     act_scale: jax.Array | None = None
     act_fmt: str = dataclasses.field(default="", metadata=dict(static=True))
     stream: Any = None  # opt-in: the same weight in stream_matmul_mgpu's layout (`with_stream_layout`)
+    layout: str = dataclasses.field(default="kn", metadata=dict(static=True))
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown quantised format {self.fmt!r}; choose one of {FORMATS}")
         if self.act_fmt not in ACT_FORMATS:
             raise ValueError(f"unknown activation format act_fmt={self.act_fmt!r}; choose one of {ACT_FORMATS}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown quantised layout {self.layout!r}; choose one of {LAYOUTS}")
+        if self.layout == "nk" and (self.fmt == "int4" or self.group_size):
+            raise ValueError(f"layout 'nk' is for per-channel int8 / fp8 weights, not {self.fmt} g{self.group_size}")
 
     def __getitem__(self, index):
         """`w[...]` is `w` itself, so an nnx.Param slot can hold a QuantizedArray and layers read it as usual."""
@@ -65,8 +75,13 @@ class QuantizedArray:
 
     @property
     def shape(self) -> tuple[int, int]:
-        k, n = self.values.shape[-2:]
+        k, n = self.values.shape[-2:][:: -1 if self.layout == "nk" else 1]
         return (2 * k, n) if self.fmt == "int4" else (k, n)
+
+    @property
+    def values_kn(self) -> jax.Array:
+        """`values` as [K, N] (a transpose of an "nk" weight: for load-time readers, not per-call paths)."""
+        return self.values.T if self.layout == "nk" else self.values
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +100,7 @@ class QuantizedArray:
             scales = self.scales.astype(jnp.float32)
             if self.group_size and scales.ndim == 2:  # grouped int8 (GGUF Q8_0)
                 scales = jnp.repeat(scales, self.group_size, axis=0)
-            return self.values.astype(jnp.float32) * scales
+            return self.values_kn.astype(jnp.float32) * scales
         lo = (self.values & 0xF).astype(jnp.float32)
         hi = (self.values >> 4).astype(jnp.float32)
         k2, n = self.values.shape
@@ -93,6 +108,13 @@ class QuantizedArray:
         g = self.group_size
         zeros = 8.0 if self.zeros is None else jnp.repeat(self.zeros.astype(jnp.float32), g, axis=0)
         return (codes - zeros) * jnp.repeat(self.scales.astype(jnp.float32), g, axis=0)
+
+
+def to_layout(w: QuantizedArray, layout: str) -> QuantizedArray:
+    """w with `values` stored as `layout` ("kn" [K, N] or "nk" [N, K]); the same logical weight."""
+    if layout == w.layout:
+        return w
+    return dataclasses.replace(w, values=w.values.T, layout=layout)
 
 
 def fake_quantize_activations(x: jax.Array, act_fmt: str, act_scale: jax.Array | None) -> jax.Array:
@@ -151,7 +173,7 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
 
     if w.fmt == "int8" and w.group_size:
         return w
-    stream = prepare(w.values, w.scales, w.zeros, fmt=w.fmt, group_size=w.group_size)
+    stream = prepare(w.values_kn, w.scales, w.zeros, fmt=w.fmt, group_size=w.group_size)
     # prepare may hand back w's own scales: no leaf may be one buffer twice (in-place weight updates donate them).
     mine = {id(x) for x in jax.tree.leaves(w)}
     stream = jax.tree.map(lambda x: jnp.copy(x) if id(x) in mine else x, stream)
@@ -193,17 +215,30 @@ def use_w8a8_kernel(w: QuantizedArray, rows: int, x_dtype, out_dtype) -> bool:
 
 
 def _w8a8_kernel_matmul(x, w: QuantizedArray, out_dtype):
-    from pallas_kernels.w8a8_matmul import quantize_activations, w8a8_matmul
+    from pallas_kernels.act_quant import quantize_activations
+    from pallas_kernels.w8a8_matmul import w8a8_matmul
 
     x2 = x.reshape(-1, x.shape[-1])
-    if w.pre_scale is not None:  # SmoothQuant's migrated factor, rounded to x's dtype as _prepare_input does
-        x2 = (x2.astype(jnp.float32) * w.pre_scale.astype(jnp.float32)).astype(x.dtype)
-    xq, x_scale = quantize_activations(x2, w.act_fmt, w.act_scale)
-    wq, layout = w.values, "kn"  # 8-bit wgmma reads the weight K-major: a [K, N] one is transposed per call ...
-    if w.stream is not None and w.stream.wt.shape == w.values.shape[::-1]:
-        wq, layout = w.stream.wt, "nk"  # ... unless with_stream_layout built the unpadded [N, K] copy at load
+    # One pass over x: SmoothQuant's pre_scale (rounded to x's dtype, as _prepare_input does) and the per-token or
+    # static quantisation fused in a Pallas kernel (the same numbers as fake_quantize_activations).
+    quantiser = "interpret" if W8A8_BACKEND == "interpret" else "triton"
+    xq, x_scale = quantize_activations(x2, w.act_fmt, w.act_scale, w.pre_scale, backend=quantiser)
+    wq, layout = w.values, w.layout  # 8-bit wgmma reads the weight K-major: quantize_model stores it [N, K] ...
+    if layout == "kn" and w.stream is not None and w.stream.wt.shape == w.values.shape[::-1]:
+        wq, layout = w.stream.wt, "nk"  # ... or with_stream_layout built the unpadded [N, K] copy at load
     out = w8a8_matmul(xq, wq, x_scale, w.scales, wq_layout=layout, out_dtype=out_dtype, backend=W8A8_BACKEND)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _nk_stream(w: QuantizedArray):
+    """An "nk" weight viewed as the streaming kernel's StreamWeight without a copy (its [N, K] values already are
+    that layout where N and K need no padding: the Llama-3-8B shapes), else None."""
+    from pallas_kernels.stream_matmul_mgpu import K_ALIGN, N_ALIGN, StreamWeight
+
+    k, n = w.shape
+    if w.layout != "nk" or n % N_ALIGN or k % K_ALIGN:
+        return None
+    return StreamWeight(w.values, jnp.broadcast_to(w.scales.astype(jnp.float32), (n,)), None, w.fmt, 0, k, n)
 
 
 def _kernel_matmul(x, values, scales, zeros, fmt, group_size):
@@ -226,13 +261,16 @@ def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.A
     if isinstance(w, QuantizedArray) and (w.pre_scale is not None or w.act_fmt):
         x = _prepare_input(x, w)
         w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)
-    if isinstance(w, QuantizedArray) and w.stream is not None and _stream_ok(rows, x.dtype, out_dtype):
-        from pallas_kernels.stream_matmul_mgpu import stream_matmul
+    if isinstance(w, QuantizedArray) and _stream_ok(rows, x.dtype, out_dtype):
+        stream = w.stream if w.stream is not None else _nk_stream(w)  # a W8A8 weight's decode reads its [N, K]
+        if stream is not None:
+            from pallas_kernels.stream_matmul_mgpu import stream_matmul
 
-        return stream_matmul(x, w.stream, backend=STREAM_BACKEND)
+            return stream_matmul(x, stream, backend=STREAM_BACKEND)
     fmt = w.fmt if isinstance(w, QuantizedArray) else ("bf16" if w.dtype == jnp.bfloat16 else "")
-    grouped8 = isinstance(w, QuantizedArray) and fmt != "int4" and w.group_size  # no kernel for grouped int8
-    if fmt and not grouped8 and out_dtype == x.dtype and use_kernel(fmt, rows, w.shape[-1], x.dtype):
+    # No Triton kernel for grouped int8, nor for [N, K] values (those take XLA below where no stream kernel runs).
+    other = isinstance(w, QuantizedArray) and ((fmt != "int4" and w.group_size) or w.layout == "nk")
+    if fmt and not other and out_dtype == x.dtype and use_kernel(fmt, rows, w.shape[-1], x.dtype):
         if fmt == "bf16":
             return _kernel_matmul(x, w, None, None, "bf16", 0)
         return _kernel_matmul(x, w.values, w.scales, w.zeros, w.fmt, w.group_size)

@@ -49,7 +49,8 @@ def test_convert_quantize_round_trip(float_ckpt, tmp_path, method):
         assert len(quantised) == 7 * CFG.num_layers
         for k in quantised:
             a, b = got[k], want_params[k]
-            assert (a.fmt, a.group_size, a.act_fmt) == (b.fmt, b.group_size, b.act_fmt)
+            assert (a.fmt, a.group_size, a.act_fmt, a.layout) == (b.fmt, b.group_size, b.act_fmt, b.layout)
+            assert a.layout == ("nk" if method.startswith("w8a8") else "kn")  # W8A8 stored [N, K]
             for leaf in ("values", "scales", "zeros", "pre_scale", "act_scale"):
                 x, y = getattr(a, leaf), getattr(b, leaf)
                 assert (x is None) == (y is None), (k, leaf)

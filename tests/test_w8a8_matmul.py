@@ -255,6 +255,13 @@ def test_quant_matmul_takes_the_kernel_for_prefill(monkeypatch, method):
     assert calls == ["kn"]
     if method == "fp8_dynamic":  # a weight with the streaming kernel's [N, K] copy is read as is, not transposed
         assert _rel(quant.matmul(x, quant.with_stream_layout(q)), ref) < 2e-2 and calls == ["kn", "nk"]
+    calls.clear()
+    # Stored [N, K] (what quantize_model does for W8A8): read as is, the same numbers as the [K, N] weight's.
+    q_nk = quant.to_layout(q, "nk")
+    np.testing.assert_array_equal(np.asarray(q_nk.values), np.asarray(q.values).T)
+    assert q_nk.shape == q.shape
+    np.testing.assert_array_equal(np.asarray(quant.matmul(x, q_nk), np.float32), np.asarray(out, np.float32))
+    assert calls == ["nk"]
 
 
 @pytest.mark.gpu

@@ -99,10 +99,10 @@ def quantize_weight(method: str, w_kn: jax.Array, x_tk: jax.Array | None) -> Qua
         return qm.rtn(w, method)
     if method == "fp8":
         return qm.fp8_calibrated(w, x_tk)
-    if method == "w8a8_fp8":
-        return qm.fp8_w8a8(w, x_tk, weights="gptq")
+    if method == "w8a8_fp8":  # stored [N, K]: the layout the W8A8 kernel (and decode's streaming kernel) reads
+        return quant.to_layout(qm.fp8_w8a8(w, x_tk, weights="gptq"), "nk")
     if method == "w8a8_int8":
-        return qm.smoothquant(w, x_tk, alpha=0.5)
+        return quant.to_layout(qm.smoothquant(w, x_tk, alpha=0.5), "nk")
     group = dict(group_size=int4_group(w.shape[0]), asymmetric=True, zero_point="float")
     if method == "int4_rtn":
         return qm.rtn(w, "int4", **group)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.quant import QuantizedArray, with_stream_layout
+from model.quant import QuantizedArray, to_layout, with_stream_layout
 from model.quant_methods import rtn
 from model.transformer import Transformer, abstract_model, model_params, storage_value, write_params
 from model.transformer import _param_slots as param_slots
@@ -102,7 +102,10 @@ def _requantize(name: str, w, like: QuantizedArray) -> QuantizedArray:
         q = rtn(w, "int4", group_size=like.group_size, asymmetric=like.zeros is not None)
     else:
         q = rtn(w, like.fmt, per_tensor=like.fmt == "fp8" and like.scales.ndim == 0)
-    q = dataclasses.replace(q, pre_scale=like.pre_scale, act_fmt=like.act_fmt, act_scale=like.act_scale)
+    # Copies of the kept leaves: the engine's own buffers would be donated and read in the same weight update.
+    kept = {n: None if getattr(like, n) is None else jnp.copy(getattr(like, n)) for n in ("pre_scale", "act_scale")}
+    q = dataclasses.replace(q, act_fmt=like.act_fmt, **kept)
+    q = to_layout(q, like.layout)  # W8A8 weights are stored [N, K]
     if like.stream is not None:  # the streaming kernel's copy is rebuilt too (the compiled steps read it)
         q = with_stream_layout(q)
     return _on_shardings(name, q, like)

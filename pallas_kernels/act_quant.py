@@ -1,0 +1,208 @@
+"""Per-token activation quantiser for the W8A8 matmul: one pass over x, fused pre-scale, 8-bit codes and scales.
+
+    x [M, K] (bf16 / f16 / f32)  ->  xq [M, K] int8 | float8_e4m3fn,  x_scale [M, 1] float32,  x ~= xq * x_scale
+
+What it replaces: pallas_kernels/w8a8_matmul.quantize_activations in jnp (two passes over x in XLA, a row max then
+the divide-and-round, 56-71 us at 4096 x 4096 bf16 on the H200) and, for SmoothQuant, the pre-scale multiply
+before it (a third pass). Here one program owns `block_m` whole rows:
+
+    program i:  x tile [bm, Kp] (Kp = K rounded up to a power of two, masked past K and M; Triton's tensors are
+                powers of two)  -> f32  (* pre_scale[K], rounded to x's dtype as model/quant.py does)
+                amax [bm] = max |x| over the row  ->  scale = amax / ACT_MAX (1 for an all-zero row: codes 0)
+                            or the static per-tensor scale
+                codes = round-half-even(clip(x / scale)) int8  |  clip(x / scale) -> e4m3 (RTNE), stored as bytes
+                store codes [bm, K] and scale [bm]
+
+So x is read once and the codes written once (K + 1 bytes a row against 2K read twice). The numbers are those
+of `reference` (quantize_activations): the same divide, the same clip, round half to even (Triton has no round:
+floor plus the tie rule, exact in f32 for |v| <= 127). On the GPU Triton's f32 divide may differ from XLA's in
+the last bit, which can move a code by one level at a rounding boundary (the GPU test allows that).
+
+Backends: "triton" (GPU), "interpret" (the Pallas interpreter, CPU tests), "xla" (`reference`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import backend as backend_lib
+
+ACT_MAX = {"fp8": 448.0, "int8": 127.0}  # the same as w8a8_matmul.ACT_MAX
+DTYPES = {"fp8": jnp.dtype(jnp.float8_e4m3fn), "int8": jnp.dtype(jnp.int8)}
+KERNEL_NAME = "act_quant"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class ActQuantConfig:
+    """Tiles of the quantiser (a static argument).
+
+    Attributes:
+        max_block_elems: most elements of x a program holds (bm * Kp; bm is the largest power of two that fits,
+            at least 1): 16384 f32 are 64 per thread at 8 warps.
+        num_warps: Triton warps per program.
+    """
+
+    max_block_elems: int = 16384
+    num_warps: int = 8
+
+    def __post_init__(self):
+        if self.max_block_elems < 1 or self.max_block_elems & (self.max_block_elems - 1):
+            raise ValueError(f"ActQuantConfig.max_block_elems must be a power of two, got {self.max_block_elems}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ActQuantConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+    def block_m(self, k: int) -> int:
+        return max(1, self.max_block_elems // _next_pow2(k))
+
+
+# Layer 1: the kernel -----------------------------------------------------------------------------------------------
+
+
+def _round_half_even(v):
+    """Round to nearest, ties to even, from floor (exact in f32 for the clipped |v| <= 127)."""
+    r = jnp.floor(v)
+    d = v - r
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
+    return r + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+def _kernel(x_ref, *refs, fmt: str, bm: int, kp: int, has_pre: bool, static: bool):
+    # x_ref:   [M, K] bf16 / f16 / f32
+    # pre_ref: [K] f32 per-input-channel factor (SmoothQuant), when has_pre
+    # act_ref: [1] f32 static per-tensor scale, when static
+    # q_ref:   [M, K] int8 codes, or uint8 bits of e4m3 (masked fp8 stores are not lowered: bytes are)
+    # s_ref:   [M] f32 per-row scale
+    rest = list(refs)
+    pre_ref = rest.pop(0) if has_pre else None
+    act_ref = rest.pop(0) if static else None
+    q_ref, s_ref = rest
+    m, k = x_ref.shape
+    rows = pl.program_id(0) * bm + jnp.arange(bm)
+    cols = jnp.arange(kp)
+    row_ok = rows < m
+    mask = row_ok[:, None] & (cols < k)[None, :]
+    x = pltriton.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0).astype(jnp.float32)  # [bm, Kp]
+    if pre_ref is not None:  # rounded to x's dtype, as model/quant.py's _prepare_input does before quantising
+        pre = pltriton.load(pre_ref.at[cols], mask=cols < k, other=0)  # [Kp]
+        x = (x * pre[None, :]).astype(x_ref.dtype).astype(jnp.float32)
+    if act_ref is None:
+        amax = jnp.max(jnp.abs(x), axis=1)  # [bm]; masked columns are 0
+        scale = jnp.where(amax > 0, amax / ACT_MAX[fmt], 1.0)
+    else:
+        scale = jnp.broadcast_to(act_ref[...], (bm,))
+    v = x / scale[:, None]
+    if fmt == "int8":
+        q = _round_half_even(jnp.clip(v, -127.0, 127.0)).astype(jnp.int8)
+    else:
+        q = lax.bitcast_convert_type(jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn), jnp.uint8)
+    pltriton.store(q_ref.at[rows[:, None], cols[None, :]], q, mask=mask)
+    pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+
+
+# Layer 2: the pallas_call builder ----------------------------------------------------------------------------------
+
+
+def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, interpret: bool):
+    m, k = x2.shape
+    bm, kp = config.block_m(k), _next_pow2(k)
+    inputs = [x2]
+    if pre_scale is not None:
+        inputs.append(pre_scale.astype(jnp.float32).reshape(k))
+    if act_scale is not None:
+        inputs.append(jnp.asarray(act_scale, jnp.float32).reshape(1))
+    kernel = functools.partial(
+        _kernel, fmt=fmt, bm=bm, kp=kp, has_pre=pre_scale is not None, static=act_scale is not None
+    )
+    code_dtype = jnp.int8 if fmt == "int8" else jnp.uint8
+    q, s = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, bm),),
+        out_shape=(
+            backend_lib.out_struct((m, k), code_dtype, [x2]),
+            backend_lib.out_struct((m,), jnp.float32, [x2]),
+        ),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        name=f"act_quant_{fmt}_bm{bm}_k{kp}",
+    )(*inputs)
+    if fmt == "fp8":
+        q = lax.bitcast_convert_type(q, jnp.float8_e4m3fn)
+    return q, s.reshape(m, 1)
+
+
+# Layer 3: the validated, jitted entry point ------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "config", "interpret"))
+def _act_quant_jit(x, act_scale, pre_scale, *, fmt, config, interpret):
+    q, s = _act_quant_call(x.reshape(-1, x.shape[-1]), fmt, act_scale, pre_scale, config, interpret)
+    return q.reshape(x.shape), s.reshape(*x.shape[:-1], 1)
+
+
+def quantize_activations(
+    x: jax.Array,
+    fmt: str,
+    act_scale: jax.Array | None = None,
+    pre_scale: jax.Array | None = None,
+    *,
+    config: ActQuantConfig | None = None,
+    backend: str | None = None,
+):
+    """x [..., K] -> (xq [..., K] int8 / float8_e4m3fn, x_scale [..., 1] float32), x * pre_scale ~= xq * x_scale.
+
+    Args:
+        x: [..., K] bfloat16, float16 or float32 activations.
+        fmt: "int8" or "fp8" (e4m3).
+        act_scale: None (per token: each row's max|x| / ACT_MAX, an all-zero row scale 1) or a static per-tensor
+            scale [] / [1].
+        pre_scale: None or [K]: x is multiplied by it first (and rounded to x's dtype), as model/quant.py does.
+        config: tiles (ActQuantConfig()).
+        backend: None ("triton" on a GPU that runs it, else "xla"), "triton", "interpret" or "xla" (`reference`).
+
+    Raises:
+        ValueError: an unknown fmt or backend, a non-float x, or scales of the wrong size.
+    """
+    if fmt not in DTYPES:
+        raise ValueError(f"act_quant: fmt must be one of {tuple(DTYPES)}, got {fmt!r}")
+    if x.ndim < 1 or x.shape[-1] == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize > 4:
+        raise ValueError(
+            f"act_quant: x must be [..., K] float16 / bfloat16 / float32 with K > 0, got {x.dtype}{x.shape}"
+        )
+    k = x.shape[-1]
+    if pre_scale is not None and pre_scale.size != k:
+        raise ValueError(f"act_quant: pre_scale must have K={k} elements, got shape {pre_scale.shape}")
+    if act_scale is not None and jnp.size(act_scale) != 1:
+        raise ValueError(f"act_quant: act_scale must be one per-tensor scale, got shape {jnp.shape(act_scale)}")
+    if backend == "mosaic_gpu":
+        raise ValueError("act_quant: backend 'mosaic_gpu' is not implemented; use 'triton', 'interpret' or 'xla'")
+    if backend is None:
+        backend = "triton" if backend_lib.device_supports("triton") else "xla"
+    backend = backend_lib.resolve_backend(backend, KERNEL_NAME)
+    if backend == "xla" or x.size == 0:
+        return reference(x, fmt, act_scale, pre_scale)
+    return _act_quant_jit(
+        x, act_scale, pre_scale, fmt=fmt, config=config or ActQuantConfig(), interpret=backend == "interpret"
+    )
+
+
+# Layer 4: the reference --------------------------------------------------------------------------------------------
+
+
+def reference(x, fmt, act_scale=None, pre_scale=None, **_):
+    """Plain jnp: the pre-scale rounded to x's dtype, then w8a8_matmul.quantize_activations (two passes)."""
+    from pallas_kernels.w8a8_matmul import quantize_activations as jnp_quantize  # noqa: PLC0415
+
+    if pre_scale is not None:
+        x = (x.astype(jnp.float32) * pre_scale.astype(jnp.float32)).astype(x.dtype)
+    return jnp_quantize(x, fmt, act_scale)
