@@ -19,9 +19,13 @@ torch.cuda.synchronize, for torch):
                                  f32: what our kernel and XLA do)
     torch_int_mm                 torch._int_mm, s8 x s8 -> s32 (cuBLAS), without the scale epilogue
     quantize_{fp8,int8}_us       the per-token activation quantiser on bf16 x [M, K] (not in any TFLOP/s figure)
-    model_{fmt}_*_path_us        model/quant.py's matmul from bf16 x on a [K, N] W8A8 weight: the kernel path
-                                 (quantise + transpose + kernel) vs the fake-quantise-then-dot path it replaces
-                                 (on --model_path_shapes)
+    model_{fmt}_*_path_us        model/quant.py's matmul from bf16 x on a W8A8 weight (on --model_path_shapes):
+                                 kernel_path: as quantize_model stores it ([N, K]) with the one-pass Pallas
+                                 quantiser (pallas_kernels/act_quant.py); kn_jnp_quant_path: a [K, N] weight
+                                 transposed per call and the two-pass jnp quantiser (the path before); fake_quant_path:
+                                 fake-quantise-then-bf16-dot; xla_bf16_us: the bf16 dot it competes with
+
+`--model_path_only` times just those model-path rows (and each quantiser alone) on the four shapes at M = 4096.
 
 Before any timing, every kernel output is checked against `w8a8_matmul.reference` (norm-relative error < 1e-2; a
 failure is recorded and that row is not timed). `--sweep_seconds` bounds a small config sweep (epilogue, tile sizes,
@@ -186,24 +190,63 @@ def bench_shape(name, m, k, n, backend, cfg=None):
     return row
 
 
-def time_model_path(m, k, n) -> dict:
-    """model/quant.py's matmul on a W8A8 QuantizedArray from bf16 x: the kernel path (quantise, transpose the [K, N]
-    weight, kernel) vs the fake-quantise-then-bf16-dot path it replaces (forced by raising W8A8_MIN_ROWS)."""
+def time_model_path(m, k, n, quantisers: bool = False) -> dict:
+    """model/quant.py's matmul on a W8A8 QuantizedArray from bf16 x, end to end (module docstring's model_* rows);
+    each path's output is checked against quant.reference_matmul first (rel error recorded, timed if < 2e-2).
+    `quantisers`: also the activation quantisers alone (Pallas one-pass vs jnp) and the bf16 dot."""
     from model import quant  # noqa: PLC0415
+    from pallas_kernels import act_quant  # noqa: PLC0415
 
     x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
     rows = {}
+    saved = quant.W8A8_MIN_ROWS, quant.ACT_QUANT_BACKEND
     for fmt in ("fp8", "int8"):
         _, wq_t, _, ws = make_inputs(fmt, 8, k, n)
-        q = quant.QuantizedArray(jnp.asarray(wq_t.T), ws.reshape(n), fmt=fmt, act_fmt=fmt)
-        fn = jax.jit(quant.matmul)
-        rows[f"model_{fmt}_kernel_path_us"] = median_seconds(fn, x, q, **TIMING) * 1e6
-        saved, quant.W8A8_MIN_ROWS = quant.W8A8_MIN_ROWS, m + 1
-        try:
-            rows[f"model_{fmt}_fake_quant_path_us"] = median_seconds(jax.jit(quant.matmul), x, q, **TIMING) * 1e6
-        finally:
-            quant.W8A8_MIN_ROWS = saved
+        kn = quant.QuantizedArray(jnp.asarray(wq_t.T), ws.reshape(n), fmt=fmt, act_fmt=fmt)
+        ref = None
+        paths = [("kernel_path", quant.to_layout(kn, "nk"), None, saved[0])]
+        paths += [("kn_jnp_quant_path", kn, "xla", saved[0]), ("fake_quant_path", kn, None, m + 1)]
+        for path, q, quantiser, min_rows in paths:
+            quant.W8A8_MIN_ROWS, quant.ACT_QUANT_BACKEND = min_rows, quantiser
+            try:
+                fn = jax.jit(quant.matmul)
+                if ref is None:
+                    ref = jax.jit(quant.reference_matmul)(x, kn)
+                err = rel_error(fn(x, q), ref)
+                rows[f"model_{fmt}_{path}_rel_error"] = err
+                if err < 2e-2:
+                    rows[f"model_{fmt}_{path}_us"] = median_seconds(fn, x, q, **TIMING) * 1e6
+            except Exception as e:  # noqa: BLE001 (recorded, not fatal: the other rows still run)
+                rows[f"model_{fmt}_{path}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            finally:
+                quant.W8A8_MIN_ROWS, quant.ACT_QUANT_BACKEND = saved
+        if quantisers:
+            for name, backend in (("pallas", None), ("jnp", "xla")):
+                fn = jax.jit(
+                    lambda a, fmt=fmt, backend=backend: act_quant.quantize_activations(a, fmt, backend=backend)
+                )
+                rows[f"quantize_{fmt}_{name}_us"] = median_seconds(fn, x, **TIMING) * 1e6
+    if quantisers:
+        w = (jax.random.normal(jax.random.key(4), (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+        rows["xla_bf16_us"] = median_seconds(bf16, x, w, **TIMING) * 1e6
     return rows
+
+
+def model_path_summary(rows) -> str:
+    """Model-path table: us per call and the speed-up over XLA's bf16 dot."""
+    lines = [f"| shape (M = {rows[0]['m']}) | xla bf16 us | " + " | ".join(
+        f"{fmt} {p} us (x bf16)" for fmt in ("fp8", "int8") for p in ("model", "before")) + " |"]  # fmt: skip
+    lines.append("|---" * 6 + "|")
+    for r in rows:
+        base = r.get("xla_bf16_us", float("nan"))
+        cells = []
+        for fmt in ("fp8", "int8"):
+            for key in ("kernel_path", "kn_jnp_quant_path"):
+                us = r.get(f"model_{fmt}_{key}_us")
+                cells.append("-" if us is None else f"{us:.0f} ({base / us:.2f}x)")
+        lines.append(f"| {r['shape']} | {base:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def sweep(shapes, m, backend, seconds: float, results: list, on_entry=lambda: None):
@@ -263,7 +306,12 @@ def main() -> int:
     parser.add_argument("--sweep_seconds", type=float, default=45.0, help="time budget of the config sweep (0: none)")
     parser.add_argument("--sweep_shapes", default=SWEEP_SHAPES, help="comma-separated shapes the sweep runs on")
     parser.add_argument("--model_path_shapes", default=SWEEP_SHAPES, help="shapes that also time model/quant.py")
+    parser.add_argument(
+        "--model_path_only", action="store_true", help="only model/quant.py's W8A8 path vs XLA bf16, every shape"
+    )
     args = parser.parse_args()
+    if args.model_path_only:
+        return model_path_main(args)
     m, shapes, backend = (SMOKE["m"], SMOKE["shapes"], "interpret") if args.smoke else (M, SHAPES, "mosaic_gpu")
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
@@ -290,6 +338,26 @@ def main() -> int:
         sweep(sweep_shapes, m, backend, args.sweep_seconds, result["sweep"], write)
     print(summary(result["rows"]), flush=True)
     print(sweep_summary(result), flush=True)
+    return 0
+
+
+def model_path_main(args) -> int:
+    """--model_path_only: model.quant.matmul end to end (quantiser + GEMM) vs XLA bf16 at M = 4096, four shapes."""
+    m, shapes = M, [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    if args.smoke:  # CPU: both kernels in their interpreters, W8A8_MIN_ROWS rows (the kernel path's threshold)
+        from model import quant  # noqa: PLC0415
+
+        quant.W8A8_BACKEND, m, shapes = "interpret", quant.W8A8_MIN_ROWS, SMOKE["shapes"]
+        TIMING.update(iters=1, reps=1)
+    result = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(), m=m, rows=[])
+    result.update(jax=jax.__version__, timing=TIMING)
+    for name, k, n in shapes:
+        row = dict(shape=name, m=m, k=k, n=n, **time_model_path(m, k, n, quantisers=True))
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(model_path_summary(result["rows"]), flush=True)
     return 0
 
 

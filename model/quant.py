@@ -201,6 +201,9 @@ def _stream_ok(rows: int, x_dtype, out_dtype) -> bool:
 # Decode-sized calls keep the path above. The 256 is the prefill threshold, not yet a measured crossover.
 W8A8_MIN_ROWS = 256
 W8A8_BACKEND = "mosaic_gpu"  # tests set "interpret" to drive this path through the Mosaic GPU interpreter on a CPU
+# The activation quantiser before it (pallas_kernels/act_quant.py): None is "interpret" under an interpreted
+# W8A8_BACKEND, else "triton"; "xla" is the two-pass jnp quantiser (benchmarks/w8a8_matmul.py compares them).
+ACT_QUANT_BACKEND: str | None = None
 
 
 def use_w8a8_kernel(w: QuantizedArray, rows: int, x_dtype, out_dtype) -> bool:
@@ -221,7 +224,7 @@ def _w8a8_kernel_matmul(x, w: QuantizedArray, out_dtype):
     x2 = x.reshape(-1, x.shape[-1])
     # One pass over x: SmoothQuant's pre_scale (rounded to x's dtype, as _prepare_input does) and the per-token or
     # static quantisation fused in a Pallas kernel (the same numbers as fake_quantize_activations).
-    quantiser = "interpret" if W8A8_BACKEND == "interpret" else "triton"
+    quantiser = ACT_QUANT_BACKEND or ("interpret" if W8A8_BACKEND == "interpret" else "triton")
     xq, x_scale = quantize_activations(x2, w.act_fmt, w.act_scale, w.pre_scale, backend=quantiser)
     wq, layout = w.values, w.layout  # 8-bit wgmma reads the weight K-major: quantize_model stores it [N, K] ...
     if layout == "kn" and w.stream is not None and w.stream.wt.shape == w.values.shape[::-1]:
