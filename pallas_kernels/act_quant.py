@@ -14,9 +14,9 @@ before it (a third pass). Here one program owns `block_m` whole rows:
                 store codes [bm, K] and scale [bm]
 
 So x is read once and the codes written once (K + 1 bytes a row against 2K read twice). The numbers are those
-of `reference` (quantize_activations): the same divide, the same clip, round half to even (Triton has no round:
-floor plus the tie rule, exact in f32 for |v| <= 127). On the GPU Triton's f32 divide may differ from XLA's in
-the last bit, which can move a code by one level at a rounding boundary (the GPU test allows that).
+of `reference` (quantize_activations), bit for bit: the same IEEE divide (on the GPU through PTX div.rn.f32:
+Triton lowers `/` to the approximate div.full.f32, which could move a code by one level at a rounding boundary),
+the same clip, round half to even (Triton has no round: floor plus the tie rule, exact in f32 for |v| <= 127).
 
 Backends: "triton" (GPU), "interpret" (the Pallas interpreter, CPU tests), "xla" (`reference`).
 """
@@ -77,7 +77,22 @@ def _round_half_even(v):
     return r + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
 
 
-def _kernel(x_ref, *refs, fmt: str, bm: int, kp: int, has_pre: bool, static: bool):
+def _div(a, b, exact: bool):
+    """a / b in f32 rounded to nearest (IEEE), as XLA divides; `exact` False: the interpreter's own (IEEE) divide."""
+    a, b = jnp.broadcast_arrays(a, b)
+    if not exact:
+        return a / b
+    (out,) = pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;",
+        args=[a, b],
+        constraints="=f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return out
+
+
+def _kernel(x_ref, *refs, fmt: str, bm: int, kp: int, has_pre: bool, static: bool, exact_div: bool):
     # x_ref:   [M, K] bf16 / f16 / f32
     # pre_ref: [K] f32 per-input-channel factor (SmoothQuant), when has_pre
     # act_ref: [1] f32 static per-tensor scale, when static
@@ -98,10 +113,10 @@ def _kernel(x_ref, *refs, fmt: str, bm: int, kp: int, has_pre: bool, static: boo
         x = (x * pre[None, :]).astype(x_ref.dtype).astype(jnp.float32)
     if act_ref is None:
         amax = jnp.max(jnp.abs(x), axis=1)  # [bm]; masked columns are 0
-        scale = jnp.where(amax > 0, amax / ACT_MAX[fmt], 1.0)
+        scale = jnp.where(amax > 0, _div(amax, jnp.float32(ACT_MAX[fmt]), exact_div), 1.0)
     else:
         scale = jnp.broadcast_to(act_ref[...], (bm,))
-    v = x / scale[:, None]
+    v = _div(x, scale[:, None], exact_div)
     if fmt == "int8":
         q = _round_half_even(jnp.clip(v, -127.0, 127.0)).astype(jnp.int8)
     else:
@@ -122,7 +137,13 @@ def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, inter
     if act_scale is not None:
         inputs.append(jnp.asarray(act_scale, jnp.float32).reshape(1))
     kernel = functools.partial(
-        _kernel, fmt=fmt, bm=bm, kp=kp, has_pre=pre_scale is not None, static=act_scale is not None
+        _kernel,
+        fmt=fmt,
+        bm=bm,
+        kp=kp,
+        has_pre=pre_scale is not None,
+        static=act_scale is not None,
+        exact_div=not interpret,  # inline PTX: the interpreter runs no assembly (and divides exactly anyway)
     )
     code_dtype = jnp.int8 if fmt == "int8" else jnp.uint8
     q, s = pl.pallas_call(
