@@ -177,9 +177,15 @@ def host(a, model) -> list[dict]:
     ]
 
 
-def device_timeline(trace_dir: str, top: int = 8) -> dict:
-    """GPU busy time from a perfetto trace: the union of the device streams' events over their span, and the
-    largest gaps with the events on either side (what the device waited between)."""
+# Lines of a device's process that xprof derives from the kernels (one event spans a whole module or HLO op, gaps
+# included), not kernels themselves: counting them would hide the device's idle time.
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Framework", "Source", "TensorFlow", "XLA TraceMe", "Launch Stats")
+
+
+def device_spans(trace_dir: str) -> tuple[str, list[tuple[float, float, str]]]:
+    """(trace file, sorted (start us, end us, kernel name) of the device's kernel, copy and memset events) from the
+    newest perfetto trace under trace_dir. Kernels are the events of a GPU process's stream lines; lines xprof
+    derives from them (DERIVED_LINES) are left out."""
     import glob
     import gzip
 
@@ -192,11 +198,30 @@ def device_timeline(trace_dir: str, top: int = 8) -> dict:
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"].get("name", "")
     }
+    derived = {
+        (e["pid"], e.get("tid"))
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "thread_name"
+        and e["pid"] in gpu
+        and any(d in e["args"].get("name", "") for d in DERIVED_LINES)
+    }
     spans = sorted(
         (e["ts"], e["ts"] + e.get("dur", 0), e.get("name", ""))
         for e in events
-        if e.get("ph") == "X" and e["pid"] in gpu
+        if e.get("ph") == "X" and e["pid"] in gpu and (e["pid"], e.get("tid")) not in derived
     )
+    return path, spans
+
+
+def device_timeline(trace_dir: str, top: int = 8) -> dict:
+    """GPU busy time from a perfetto trace: the union of the device streams' events over their span, and the
+    largest gaps with the events on either side (what the device waited between)."""
+    return timeline(*device_spans(trace_dir), top=top)
+
+
+def timeline(path: str, spans: list[tuple[float, float, str]], top: int = 8) -> dict:
+    """device_timeline's figures from device_spans' events."""
     if not spans:
         return dict(trace=path, device_events=0)
     busy, gaps, (cur_s, cur_e, cur_n) = 0.0, [], spans[0]
@@ -208,7 +233,7 @@ def device_timeline(trace_dir: str, top: int = 8) -> dict:
         elif e > cur_e:
             cur_e, cur_n = e, n
     busy += cur_e - cur_s
-    span = spans[-1][1] - spans[0][0]
+    span = cur_e - spans[0][0]  # to the latest end (the last event to start may end before another)
     gaps.sort(reverse=True)
     by_name: dict[str, float] = {}
     for s, e, n in spans:  # device time per kernel name (stream overlap counted in each)
