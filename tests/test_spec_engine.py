@@ -214,12 +214,15 @@ def test_speculation_stops_at_the_batch_threshold(llm, prompts):
         return out
 
     sched.schedule = spy
+    loops, dispatch = [], engine.spec_loops.dispatch  # rows of each on-device speculative loop (spec_loop.py)
+    engine.spec_loops.dispatch = lambda reqs, *a: loops.append(len(reqs)) or dispatch(reqs, *a)
     try:
         _run(engine, [(prompts[0], SamplingParams(max_tokens=m, temperature=0.0)) for m in (8, 16, 30)])
     finally:
         spec.policy = saved
-    assert not any(drafts for running, drafts in seen if running >= 2)
-    assert any(drafts for running, drafts in seen if running < 2)  # the last request, alone, speculates
+        del engine.spec_loops.dispatch
+    assert not any(drafts for running, drafts in seen if running >= 2) and all(n < 2 for n in loops)
+    assert loops or any(drafts for running, drafts in seen if running < 2)  # the last request, alone, speculates
 
 
 def test_policy_tiers_and_bans():
