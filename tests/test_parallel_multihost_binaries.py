@@ -54,6 +54,14 @@ def _tiny_checkpoint(directory: str) -> None:
     orbax_io.save(directory, cfg, model_params(random_model(cfg, jnp.float32, seed=3)), tokenizer)
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """One saved tiny checkpoint for every test of the module (read-only to the binaries)."""
+    model = str(tmp_path_factory.mktemp("ckpt") / "tiny")
+    _tiny_checkpoint(model)
+    return model
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -77,9 +85,8 @@ def _completions(stdout: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_generate_as_two_processes_matches_one(tmp_path):
-    model = str(tmp_path / "tiny")
-    _tiny_checkpoint(model)
+def test_generate_as_two_processes_matches_one(tiny_model):
+    model = tiny_model
     port = str(_free_port())
     multi = [
         _generate(
@@ -134,17 +141,21 @@ def _binary(module: str, args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "module, args",
     [
-        ("serving.generate", ["--nowarmup_run", "--max_tokens=2"]),
+        ("serving.generate", ["--nowarmup_run", "--max_tokens=2", "--prompt=abc"]),  # plain: no chat template
         ("serving.server", ["--port=0", "--nowarmup"]),
         ("benchmarks.bench", ["--mode=latency", "--random_weights", "--model_preset=tiny", "--context=8"]),
     ],
     ids=["generate", "server", "bench"],
 )
-def test_binaries_refuse_a_mesh_that_does_not_fit(module, args, tmp_path):
+def test_binaries_refuse_a_mesh_that_does_not_fit(module, args, tmp_path, tiny_model):
     """The parallel flags reach the engine of every binary, and a mesh with more devices than exist (8 here) or
-    heads that do not divide stops it at start-up with the wrong number named (the default SmolLM2 has 9 heads,
-    the tiny preset 4)."""
-    heads = "num_heads=4" if module == "benchmarks.bench" else "num_heads=9"
+    heads that do not divide stops it at start-up with the wrong number named. generate and server load the
+    module's tiny checkpoint (8 heads; loading the default SmolLM2 in each of their four processes only cost
+    time before the same refusal), the bench its tiny preset (4 heads)."""
+    if module == "benchmarks.bench":
+        args, tp, heads = [*args, f"--out_dir={tmp_path}"], 8, "num_heads=4"
+    else:
+        args, tp, heads = [*args, f"--model={tiny_model}"], 3, "num_heads=8"
     cases = [
         (
             [
@@ -156,15 +167,10 @@ def test_binaries_refuse_a_mesh_that_does_not_fit(module, args, tmp_path):
             "data_parallel_size=2 x tensor_parallel_size=2 x pipeline_parallel_size=4 x expert_parallel_size=1 needs 16 "
             "devices; only 8 exist",
         ),
-        (
-            ["--tensor_parallel_size=8"] if module == "benchmarks.bench" else ["--tensor_parallel_size=2"],
-            f"does not divide {heads}",
-        ),
+        ([f"--tensor_parallel_size={tp}"], f"tensor_parallel_size={tp} does not divide {heads}"),
     ]
     for flags, message in cases:
-        proc = _binary(
-            module, [*args, f"--out_dir={tmp_path}", *flags] if module == "benchmarks.bench" else [*args, *flags]
-        )
+        proc = _binary(module, [*args, *flags])
         assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stdout[-2000:], proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
@@ -178,7 +184,7 @@ print("TEXT" + json.dumps(llm.generate(["Hello there, sea"], max_tokens=10, temp
 
 
 @pytest.mark.slow
-def test_server_as_two_processes_serves_what_one_engine_generates(tmp_path):
+def test_server_as_two_processes_serves_what_one_engine_generates(tiny_model):
     """`python -m serving.server` with the multi-host flags on 2 processes x 4 CPU devices (tp=8): process 0
     answers HTTP with the text a one-device LLM generates; on SIGTERM it releases process 1, and both exit 0."""
     import signal
@@ -186,8 +192,7 @@ def test_server_as_two_processes_serves_what_one_engine_generates(tmp_path):
 
     import httpx
 
-    model = str(tmp_path / "tiny")
-    _tiny_checkpoint(model)
+    model = tiny_model
     port, http_port = str(_free_port()), _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": ROOT}
     args = [f"--model={model}", "--attention_backend=xla", "--compilation_cache_dir=", "--max_model_len=64"]
@@ -274,10 +279,9 @@ def test_bench_as_two_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_parallel_across_processes_is_refused(tmp_path):
+def test_data_parallel_across_processes_is_refused(tiny_model):
     """Replicas are built within one process; asked across processes, both processes stop naming the numbers."""
-    model = str(tmp_path / "tiny")
-    _tiny_checkpoint(model)
+    model = tiny_model
     port = str(_free_port())
     flags = [f"--model={model}", *COMMON, "--data_parallel_size=2", f"--coordinator_address=127.0.0.1:{port}"]
     procs = [_generate([*flags, "--num_processes=2", f"--process_id={i}"], devices=4) for i in range(2)]
