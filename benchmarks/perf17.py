@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from collections import deque
 
@@ -357,8 +358,8 @@ def _engine_prefill_ms(engine: LLMEngine, prompt: list[int], reps: int) -> tuple
 
 
 def _contiguous_prefill(model, length: int):
-    """The XLA attention path: one forward of `length` tokens over a zeroed contiguous KV cache, plain masked
-    attention (model/kv.py ContiguousMeta), logits at the last token only."""
+    """The XLA attention path: (lowered forward of `length` tokens over a zeroed contiguous KV cache with plain
+    masked attention, model/kv.py ContiguousMeta, logits at the last token only; the state it takes)."""
     from flax import nnx
 
     from model.kv import ContiguousMeta, init_contiguous_cache
@@ -366,7 +367,6 @@ def _contiguous_prefill(model, length: int):
     cfg = model.cfg
     graphdef, state = nnx.split(model)
 
-    @jax.jit
     def run(state, tokens_bt):
         m = nnx.merge(graphdef, state)
         caches = init_contiguous_cache(cfg.num_layers, 1, length, cfg.num_kv_heads, cfg.head_dim, m.dtype)
@@ -374,7 +374,47 @@ def _contiguous_prefill(model, length: int):
         logits, _ = m(tokens_bt, positions, caches, ContiguousMeta(), jnp.full((1, 1), length - 1, jnp.int32))
         return logits
 
-    return lambda tokens: run(state, tokens)
+    return jax.jit(run).lower(state, jax.ShapeDtypeStruct((1, length), jnp.int32)), state
+
+
+def _compile_all(jobs: dict) -> dict:
+    """{tag: () -> jax Lowered} -> {tag: compiled executable, or the exception lowering or compiling raised}:
+    lowered one by one (tracing holds the GIL), compiled in parallel threads as ModelRunner.warmup does; lazily
+    the 8B steps would compile one after another."""
+    import concurrent.futures
+
+    lowered, out = {}, {}
+    for tag, lower in jobs.items():
+        try:
+            lowered[tag] = lower()
+        except Exception as e:  # noqa: BLE001 - the caller reports it (an OOM) or raises it
+            out[tag] = e
+    threads = max(1, min(len(lowered), (os.cpu_count() or 2) // 2))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        futures = {pool.submit(low.compile): tag for tag, low in lowered.items()}
+        for f in concurrent.futures.as_completed(futures):
+            try:
+                out[futures[f]] = f.result()
+            except Exception as e:  # noqa: BLE001
+                out[futures[f]] = e
+    return out
+
+
+def _prefill_jobs(engine: LLMEngine, lengths, budget: int) -> dict:
+    """{step key: lowering} of the ragged steps the engine's prefill of each length takes (chunks of `budget`)."""
+    runner, bs = engine.runner, engine.config.block_size
+    chunks = {(min(budget, n - i), i) for n in lengths for i in range(0, n, budget)}  # (tokens, start)
+    keys = {
+        (
+            "step",
+            next(b for b in runner.token_buckets if b >= size),
+            runner.max_num_seqs,
+            next(w for w in runner.width_buckets if w * bs >= start + size),  # the table covers the chunk's end
+        )
+        for size, start in chunks
+    }
+    plan = runner.warmup_plan(widths=sorted({k[3] for k in keys}))
+    return {k: (lambda b=b, args=args: b().lower(*args)) for k, b, args in plan if k[:4] in keys and not k[4]}
 
 
 def long(model, a, emit) -> None:
@@ -391,29 +431,44 @@ def long(model, a, emit) -> None:
         emit(dict(what="long", length=n, path=path, ms=result) | extra)
 
     deadline = time.perf_counter() + a.time_limit
-    if "pallas" in a.long_backend_list:
-        for name, budget in (("pallas_chunked", a.long_chunk), ("pallas_one_piece", max(lengths))):
-            engine, broken = _engine(model, a, max_num_batched_tokens=budget, **kw), False
-            for n in lengths:
-                if name == "pallas_one_piece" and n <= a.long_chunk:
-                    continue  # one chunk already: the chunked row is the one-piece row
-                if broken or time.perf_counter() > deadline:
-                    record(n, name, "skipped after OOM" if broken else "time limit")
-                    continue
-                try:
-                    first, _ = _engine_prefill_ms(engine, prompts[n], 1)  # compiles this length's bucket
-                    ms, steps = _engine_prefill_ms(engine, prompts[n], a.long_reps)
-                except Exception as e:  # noqa: BLE001 - an OOM is the figure; anything else is raised
-                    if not _is_oom(e):
-                        raise
-                    record(n, name, "OOM", error=str(e).splitlines()[0][:200])
-                    broken = True  # the failed step had the KV pool donated: this engine is done
-                    continue
-                speed = n / ms * 1e3
-                record(n, name, ms, first_call_ms=first, engine_steps=steps, prompt_tokens_per_s=speed, budget=budget)
-            del engine
-            gc.collect()
-    if "xla_paged" in a.long_backend_list:  # the engine's own XLA backend (the ragged kernel's reference)
+    engines, jobs, states = {}, {}, {}
+    if "pallas" in a.long_backend_list:  # one piece: only lengths past one chunk (a chunk is one piece already)
+        for name, budget, todo in (
+            ("pallas_chunked", a.long_chunk, lengths),
+            ("pallas_one_piece", max(lengths), [n for n in lengths if n > a.long_chunk]),
+        ):
+            if todo:
+                engines[name] = (_engine(model, a, max_num_batched_tokens=budget, **kw), budget, todo)
+                jobs |= {(name, k): low for k, low in _prefill_jobs(engines[name][0], todo, budget).items()}
+    if "xla_contiguous" in a.long_backend_list:
+        for n in lengths:
+            jobs[("xla_contiguous", n)] = lambda n=n: states.setdefault(n, _contiguous_prefill(model, n))[0]
+    t0 = time.perf_counter()
+    compiled = _compile_all(jobs)
+    emit(dict(what="long_compile", executables=len(jobs), wall_s=time.perf_counter() - t0))
+    for (name, key), exe in compiled.items():
+        if name in engines and not isinstance(exe, Exception):
+            engines[name][0].runner._keep(key, exe)  # ModelRunner.warmup's bookkeeping, for these buckets only
+    for name, (engine, budget, todo) in engines.items():
+        broken = False
+        for n in todo:
+            if broken or time.perf_counter() > deadline:
+                record(n, name, "skipped after OOM" if broken else "time limit")
+                continue
+            try:
+                first, _ = _engine_prefill_ms(engine, prompts[n], 1)  # whatever compiling is left happens here
+                ms, steps = _engine_prefill_ms(engine, prompts[n], a.long_reps)
+            except Exception as e:  # noqa: BLE001 - an OOM is the figure; anything else is raised
+                if not _is_oom(e):
+                    raise
+                record(n, name, "OOM", error=str(e).splitlines()[0][:200])
+                broken = True  # the failed step had the KV pool donated: this engine is done
+                continue
+            speed = n / ms * 1e3
+            record(n, name, ms, first_call_ms=first, engine_steps=steps, prompt_tokens_per_s=speed, budget=budget)
+    engines.clear()
+    gc.collect()
+    if "xla_paged" in a.long_backend_list:  # the engine's own XLA backend (the ragged kernel's reference), lazily
         engine, broken = _engine(model, a, max_num_batched_tokens=a.long_chunk, attention_backend="xla", **kw), False
         for n in lengths:
             if broken or time.perf_counter() > deadline:
@@ -430,29 +485,30 @@ def long(model, a, emit) -> None:
                 broken = True
         del engine
         gc.collect()
-    if "xla_contiguous" in a.long_backend_list:
-        for n in lengths:  # longest last: an OOM there leaves the shorter figures in place
-            if time.perf_counter() > deadline:
-                record(n, "xla_contiguous", "time limit")
-                continue
-            tokens = jnp.asarray([prompts[n]], jnp.int32)
-            try:
-                fn = _contiguous_prefill(model, n)
+    for n in lengths if "xla_contiguous" in a.long_backend_list else ():  # longest last: an OOM keeps the rest
+        exe = compiled[("xla_contiguous", n)]
+        if time.perf_counter() > deadline:
+            record(n, "xla_contiguous", "time limit")
+            continue
+        try:
+            if isinstance(exe, Exception):
+                raise exe
+            state, tokens = states[n][1], jnp.asarray([prompts[n]], jnp.int32)
+            t0 = time.perf_counter()
+            jax.block_until_ready(exe(state, tokens))
+            first = 1e3 * (time.perf_counter() - t0)
+            times = []
+            for _ in range(a.long_reps):
                 t0 = time.perf_counter()
-                jax.block_until_ready(fn(tokens))
-                first = 1e3 * (time.perf_counter() - t0)
-                times = []
-                for _ in range(a.long_reps):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(tokens))
-                    times.append(1e3 * (time.perf_counter() - t0))
-            except Exception as e:  # noqa: BLE001
-                if not _is_oom(e):
-                    raise
-                record(n, "xla_contiguous", "OOM", error=str(e).splitlines()[0][:200])
-                gc.collect()
-                continue
-            record(n, "xla_contiguous", float(np.median(times)), first_call_ms=first)
+                jax.block_until_ready(exe(state, tokens))
+                times.append(1e3 * (time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001
+            if not _is_oom(e):
+                raise
+            record(n, "xla_contiguous", "OOM", error=str(e).splitlines()[0][:200])
+            gc.collect()
+            continue
+        record(n, "xla_contiguous", float(np.median(times)), first_call_ms=first)
     for n in lengths:
         t = table[n]
         best = t.get("pallas_one_piece", t.get("pallas_chunked"))
