@@ -6,7 +6,8 @@ time to first token on an idle engine, long-context prefill, and inter-token lat
     PYTHONPATH=. python benchmarks/perf17.py --what profile,ttft,long,itl_load --preset tiny   # CPU, seconds
 
 Random weights at --preset shape (Llama-3-8B by default), bf16. The modes given together share the model and one
-engine (max_num_seqs 256, max_num_batched_tokens 8192 at 8B, warmed up front, so no mode compiles while timed):
+engine (max_num_seqs 256, max_num_batched_tokens 8192 at 8B), warmed up front with the host jits its warm-up misses
+(prime_host_jits), so no mode compiles while timed (each mode's `compiles_during_mode` row says so):
 
 - profile: for each batch in --batches, that many requests decode (ignore_eos); once every row is inside the
   multi-step decode loop, a JAX profiler trace covers --profile_loops loops. The device's kernels
@@ -23,14 +24,15 @@ engine (max_num_seqs 256, max_num_batched_tokens 8192 at 8B, warmed up front, so
   holding the whole prompt), next to the XLA attention path: the model over a contiguous KV cache with plain
   masked attention (model/kv.py ContiguousMeta: the [T, T] scores are materialised, the seed's baseline), where
   running out of device memory is reported as "OOM". --long_backends xla_paged adds the engine's own XLA backend
-  (the ragged kernel's float32 reference, gathering every query chunk's pages: slow at 32k).
+  (the ragged kernel's float32 reference, gathering every query chunk's pages: slow at 32k). The mode's engines
+  (max_num_seqs 1, a pool of one longest sequence) and forwards are compiled up front, in parallel threads.
 - itl_load: peak output tokens/s of a closed burst of max_num_seqs requests (--input_len / --output_len), or --peak;
   then Poisson arrivals at --load x peak / output_len requests/s for --duration s, driven by the engine's own step
   loop in this process (no HTTP); and one request alone (idle). Per request, every delivery's time and token count:
   ITL per delivery (the gap between deliveries) and per token (the gap / the tokens it carried, counted once per
   token). A multi-step loop delivers decode_steps tokens at once; the goal (p99 at load < 2x idle) is read on the
-  per-token figure, the spacing of tokens a streaming client receives. Requests arriving in the first
-  --ramp_fraction of the run are left out (the load is still building).
+  per-token figure, the spacing of tokens a streaming client receives. Only deliveries from --ramp_fraction x
+  --duration s (the load has built up) to --duration s (the last arrival) count.
 
 Every mode has a wall-clock bound (--time_limit per mode); a row is printed (one `perf17 ...` summary line, then
 the JSON) and appended to --out (JSON lines) as soon as it ends.
