@@ -7,12 +7,19 @@ One LLM (SmolLM2 by default, greedy) serves every method: plain decoding (`off`,
 runner: `ngram` (prompt lookup), `self` (the target's first --self_layers layers + its head, sharing the target's
 KV), `draft` (a separate draft model with its own paged KV: the target's first --draft_layers layers as a copy; or
 --draft_model, a checkpoint path, e.g. SmolLM2 itself for the acceptance ceiling), `medusa` (trained heads on the
-target's last hidden state, --medusa_heads: a checkpoint dir from serving/train_heads.py; --k <= its heads). Prompts are the Lab 02 ones
+target's last hidden state, --medusa_heads: a checkpoint dir from serving/train_heads.py; --k <= its heads). `ngram` is the
+host path (one host round trip per verify pass); `ngram_device` drafts, verifies and accepts inside the on-device
+decode loop (serving/engine/spec_loop.py, the engine's default for n-gram). Prompts are the Lab 02 ones
 (benchmarks/spec_acceptance.py: stdlib code, licence prose, copy-heavy chat turns). Requests run one at a time
 (batch 1); every method runs all its requests twice and the second pass is timed (the first compiles). Reported per method and domain:
 decode tokens/s (generated tokens after the first / time from first to last token), speedup over `off`,
 acceptance rate and mean emitted tokens per verify pass (SpecDecoder counters), and whether the tokens equal
 `off`'s (greedy: they must).
+
+--random_weights PRESET (e.g. llama3_8b, smollm2_135m) replaces the checkpoint by random bf16 weights of that shape
+(no tokenizer: token-id prompts, domains `copy` = a random 48-token block repeated 4 times and `free` = random ids);
+greedy decoding of random weights falls into cycles, which prompt lookup then drafts. The acceptance that results is
+reported with the speed: there it is an outcome of the weights, not of the text.
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ def _decoders(llm: LLM, args) -> dict:
         return SpecDecoder(engine, proposer, k, policy, _sampling_tensors, _logprob_entry)
 
     self_spec = dataclasses.replace(spec, method="self", speculative_draft_layers=args.self_layers)
-    if args.draft_model:
+    if not {"self", "draft"} & set(args.methods.split(",")):
+        draft = None
+    elif args.draft_model:
         draft = make_model_proposer(
             "draft",
             r,
@@ -64,12 +73,10 @@ def _decoders(llm: LLM, args) -> dict:
             attention_backend=r.backend,
         )
         draft = ModelDraftProposer(copy, "draft")
-    out = dict(
-        off=None,
-        ngram=engine.spec,
-        self=decoder(make_model_proposer("self", r, model, self_spec, model.dtype)),
-        draft=decoder(draft),
-    )
+    out = dict(off=None, ngram=engine.spec, ngram_device=engine.spec)
+    if not {"self", "draft"} & set(args.methods.split(",")):
+        return out
+    out |= dict(self=decoder(make_model_proposer("self", r, model, self_spec, model.dtype)), draft=decoder(draft))
     if args.medusa_heads:
         from model.medusa import load_heads
 
@@ -77,9 +84,11 @@ def _decoders(llm: LLM, args) -> dict:
     return out
 
 
-def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int) -> dict:
+def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int, device_loop: bool = False) -> dict:
     engine = llm.engine
     engine.spec = spec
+    engine.spec_loops.enabled = device_loop  # n-gram inside the on-device loop, or one host round trip per pass
+    loops = engine.spec_loops.num_loops
     before = spec.counters.as_dict() if spec is not None else None
     tokens, seconds, outs = 0, 0.0, []
     for ids in prompts:
@@ -88,6 +97,7 @@ def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int) -> dict:
         tokens, seconds = tokens + n - 1, seconds + dt
         outs.append(list(o.token_ids))
     row = dict(decode_tokens=tokens, decode_s=round(seconds, 3), tokens_per_s=round(tokens / seconds, 2), outputs=outs)
+    row["device_spec_loops"] = engine.spec_loops.num_loops - loops
     if spec is not None:
         after = spec.counters.as_dict()
         d = {key: after[key] - before[key] for key in ("passes", "drafted", "accepted", "emitted")}
@@ -108,7 +118,7 @@ def _traced(llm: LLM, spec, domains: dict, args, method: str) -> dict:
     trace_dir = f"{args.trace_dir}/{method}"
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
-    row = _run(llm, spec, domains[domain], args.max_tokens)
+    row = _run(llm, spec, domains[domain], args.max_tokens, method == "ngram_device")
     wall = time.perf_counter() - t0
     jax.profiler.stop_trace()
     row.pop("outputs")
@@ -116,6 +126,15 @@ def _traced(llm: LLM, spec, domains: dict, args, method: str) -> dict:
     per_pass = round(1e3 * wall / passes, 3) if passes else None
     summary = dict(domain=domain, wall_s=round(wall, 4), passes=passes, wall_ms_per_pass=per_pass)
     return summary | dict(decode_tokens=row["decode_tokens"]) | device_timeline(trace_dir)
+
+
+def _id_prompts(vocab: int, n: int) -> dict[str, list[list[int]]]:
+    """Token-id prompts for random weights: `copy` (a random 48-token block, four times) and `free` (192 ids)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    copy = [(rng.integers(100, vocab, 48).tolist() * 4) for _ in range(n)]
+    return dict(copy=copy, free=[rng.integers(100, vocab, 192).tolist() for _ in range(n)])
 
 
 def main():
@@ -131,7 +150,10 @@ def main():
     ap.add_argument("--decode_steps", type=int, default=8)
     ap.add_argument("--attention_backend", default=None)
     ap.add_argument("--medusa_heads", default=None, help="heads checkpoint dir (python -m serving.train_heads)")
-    ap.add_argument("--methods", default="off,ngram,self,draft", help="also: medusa (needs --medusa_heads)")
+    ap.add_argument(
+        "--methods", default="off,ngram,self,draft", help="also: ngram_device, medusa (needs --medusa_heads)"
+    )
+    ap.add_argument("--random_weights", default=None, help="a ModelConfig preset: random bf16 weights of its shape")
     ap.add_argument("--out", default="benchmarks/results/spec_engine_cpu.json")
     ap.add_argument(
         "--trace_dir", default="", help="also profile each method's code requests once: GPU busy vs wall per pass"
@@ -147,11 +169,23 @@ def main():
     )
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
-    llm = LLM(args.model, speculative_method="ngram", num_speculative_tokens=args.k, **options)
-    domains = {
-        d: [llm.encode_prompt(text, chat=chat) for text, chat in items[: args.prompts_per_domain]]
-        for d, items in build_prompts(args.prompt_chars).items()
-    }
+    spec_options = dict(speculative_method="ngram", num_speculative_tokens=args.k)
+    if args.random_weights:
+        import jax.numpy as jnp
+
+        from model.config import ModelConfig
+        from model.transformer import random_model
+
+        cfg = ModelConfig.preset(args.random_weights)
+        model = random_model(cfg, jnp.bfloat16, seed=0)
+        llm = LLM.from_model(model, None, copy=False, dtype="bfloat16", **spec_options, **options)
+        domains = _id_prompts(cfg.vocab_size, args.prompts_per_domain)
+    else:
+        llm = LLM(args.model, **spec_options, **options)
+        domains = {
+            d: [llm.encode_prompt(text, chat=chat) for text, chat in items[: args.prompts_per_domain]]
+            for d, items in build_prompts(args.prompt_chars).items()
+        }
     decoders = _decoders(llm, args)
     methods = args.methods.split(",")
     result = dict(
@@ -165,9 +199,10 @@ def main():
         methods={},
     )
     for m in methods:
+        dev = m == "ngram_device"
         for p in domains.values():  # a first, untimed pass compiles every shape these requests meet
-            _run(llm, decoders[m], p, args.max_tokens)
-        result["methods"][m] = {d: _run(llm, decoders[m], p, args.max_tokens) for d, p in domains.items()}
+            _run(llm, decoders[m], p, args.max_tokens, dev)
+        result["methods"][m] = {d: _run(llm, decoders[m], p, args.max_tokens, dev) for d, p in domains.items()}
         print(
             m, {d: (r["tokens_per_s"], r.get("acceptance_rate")) for d, r in result["methods"][m].items()}, flush=True
         )
@@ -197,6 +232,7 @@ def main():
                             "acceptance_rate",
                             "mean_emitted_per_pass",
                             "identical_to_off",
+                            "device_spec_loops",
                         )
                     }
                     for d, r in per.items()
