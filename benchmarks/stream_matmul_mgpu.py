@@ -126,6 +126,9 @@ def sweep_configs(fmt_name, best: sm.StreamConfig, m, k, n):
     out.append(dataclasses.replace(best, wg_rows=64 if 32 <= m <= 128 and fmt != "int4" else 128))  # the other one
     if fmt == "int4" and not best.a_via_smem:
         out.insert(0, dataclasses.replace(best, overlap=True))
+    if fmt in ("int8", "fp8") and not best.a_via_smem:  # the conversion paths behind flags, first: untimed so far
+        flags = (dict(upcast_load=True), dict(overlap=True), dict(upcast_load=True, overlap=True))
+        out[:0] = [dataclasses.replace(best, **f) for f in flags]
     out.append(dataclasses.replace(best, a_via_smem=not best.a_via_smem))
     return [c for c in out if c != best]
 

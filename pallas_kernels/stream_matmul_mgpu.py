@@ -73,8 +73,13 @@ class StreamConfig:
         cluster: CTAs of a cluster (neighbouring N blocks) that share each x block through TMA multicast: x is
             re-read from L2 by every CTA otherwise, as many bytes as an int4 weight tile at M = 64 (1 where the N
             blocks do not divide).
-        overlap: registers-A path with several blocks a step (int4): dequantise block j + 1 while block j's wgmma
-            runs, as the FA3-style kernels keep p in registers across a wgmma (opt-in until measured).
+        overlap: registers-A path with several blocks a step: dequantise block j + 1 while block j's wgmma
+            runs, as the FA3-style kernels keep p in registers across a wgmma (opt-in until measured). int4's blocks
+            are its groups; int8 / fp8 steps are cut into blocks of 64 columns for it (one block a step otherwise).
+        upcast_load: int8 / fp8: read the A tile from SMEM 4 bytes a thread (Mosaic GPU's WGMMA_UPCAST_2X layout)
+            and move the converted bf16 values to wgmma's register layout with one warp shuffle a register pair;
+            the default loads it straight in that layout, 2 bytes a thread, each load with its own swizzled address
+            and each 2-element conversion padded to 32 bits (opt-in until measured on a GPU).
     """
 
     tile_k: int = 0
@@ -84,6 +89,7 @@ class StreamConfig:
     wg_rows: int = 0
     cluster: int = 1
     overlap: bool = False
+    upcast_load: bool = False
 
     def __post_init__(self):
         if self.tile_k not in (0, 64, 128, 256, 512):
@@ -204,6 +210,8 @@ def _fit(mp: int, tk: int, wg_rows: int, w: StreamWeight, config: StreamConfig, 
     splits = config.num_splits or max(1, min(num_sms // n_blocks, weight_bytes // (16 * np_ * mp)))
     splits = max(d for d in range(1, total + 1) if total % d == 0 and d <= splits)  # equal static step counts
     kb = max(w.group_size, 64) if w.fmt == "int4" else tk  # int4 blocks of 32 columns would be 16-byte rows
+    if config.overlap and w.fmt in ("int8", "fp8"):
+        kb = 64  # several blocks a step, so that converting block j + 1 overlaps block j's wgmma
     steps = total // splits
     # SMEM: per slot x [Mp, tk] + weight [2 wg_rows, tk] (+ int4 scales / shifts), plus the f32 epilogue buffer,
     # the optional bf16 A staging tile and the barriers.
@@ -234,19 +242,20 @@ def _swizzled(block_cols: int, dtype):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size):
+def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size, upcast_load=False):
     """Codes [R, kb] in SMEM (R = wg_rows) -> the dequantised A tile [R, kb] in registers (compute dtype).
 
     int8 / e4m3 convert to bf16 exactly (their per-channel scale is applied to out^T after the kernel); int4 block j
     of the step: (c' - zshift) * scale in f32, rounded once to bf16, as dequantising the weight to bf16 would. A
     64-column block holds two groups when g = 32: each column picks its group's row value.
     """
-    a = w_rows[...]
+    upcast = upcast_load and fmt in ("int8", "fp8")  # 32-bit SMEM loads, then one shuffle to wgmma's layout
+    a = plgpu.load(w_rows, layout=plgpu.Layout.WGMMA_UPCAST_2X) if upcast else w_rows[...]
     if fmt == "fp8" and compute_dtype == jnp.bfloat16:  # Hopper converts e4m3 to f16 only; both steps are exact
         a = a.astype(jnp.float16)
     a = a.astype(compute_dtype)
     if fmt != "int4":
-        return a
+        return plgpu.layout_cast(a, plgpu.Layout.WGMMA) if upcast else a
     kb = a.shape[1]
     per_block = kb // group_size
     rows = pl.ds(a.shape[0] * wg, a.shape[0])
@@ -268,7 +277,7 @@ def _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, group_size):
     return (a32 * per_group(gs[0])).astype(compute_dtype)
 
 
-def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_smem, overlap):
+def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_smem, overlap, upcast_load=False):
     # x_gmem:  [Mp, Kp] compute dtype (rows >= M are zero)
     # w_gmem:  [Np, Kp] codes (module docstring)
     # s_gmem:  int4 [Kp/g, Np] f32 group scales;  z_gmem: int4 asymmetric [Kp/g, Np] f32 zero shifts
@@ -316,7 +325,9 @@ def _kernel(*refs, p: _Plan, fmt, group_size, has_zeros, compute_dtype, a_via_sm
 
             def tile(j):  # block j's A operand: [R, kb] codes in SMEM (bf16) or dequantised in registers
                 w_rows = ws[j].at[pl.ds(wg * wr, wr)]
-                return w_rows if fmt == "bf16" else _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, g)
+                if fmt == "bf16":
+                    return w_rows
+                return _dequant_tile(w_rows, gs, j, wg, fmt, has_zeros, compute_dtype, g, upcast_load)
 
             upcoming = tile(0) if overlap else None
             for j in range(r):
@@ -379,6 +390,7 @@ def _stream_call(x2, w: StreamWeight, config: StreamConfig, interpret, num_sms: 
         compute_dtype=x2.dtype,
         a_via_smem=config.a_via_smem or interpret is not None,
         overlap=config.overlap and w.fmt != "bf16",
+        upcast_load=config.upcast_load,
     )
     partials = plgpu.kernel(
         kernel,

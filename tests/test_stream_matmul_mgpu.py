@@ -260,3 +260,61 @@ def test_block_geometry(m, config):
     want = qmm.reference(x, values, scales, zeros, fmt="int4", group_size=64)
     rel, row = errors(got, want)
     assert rel < 1e-2 and row < 2e-2
+
+
+# int8 / fp8 conversion paths behind StreamConfig flags (off by default until measured): the A tile loaded 4 bytes a
+# thread (WGMMA_UPCAST_2X) and moved to wgmma's layout by a shuffle, and steps cut into 64-column blocks so that the
+# next block's conversion overlaps the running wgmma.
+CONVERT_CONFIGS = [
+    pytest.param(sm.StreamConfig(tile_k=128, max_concurrent_steps=2, upcast_load=True), id="upcast_load"),
+    pytest.param(sm.StreamConfig(tile_k=256, max_concurrent_steps=2, overlap=True), id="overlap_64col_blocks"),
+    pytest.param(sm.StreamConfig(tile_k=256, upcast_load=True, overlap=True, wg_rows=128), id="both_wg128"),
+]
+
+
+@pytest.mark.parametrize("config", CONVERT_CONFIGS)
+@pytest.mark.parametrize("fmt, m", [("int8", 3), ("fp8", 17), ("int8", 64)])
+def test_conversion_flags_match_reference(fmt, m, config):
+    rng = np.random.default_rng(m)
+    k, n = 520, 130
+    values, scales, zeros = make_weight(rng, fmt, k, n, 0, False, False)
+    w = sm.prepare(values, scales, zeros, fmt=fmt)
+    p = sm.plan(m, w, config, sm.INTERPRET_SMS)
+    assert p.kb == (64 if config.overlap else p.tk) and p.tk // p.kb == (4 if config.overlap else 1)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    got = sm.stream_matmul(x, w, config=config, backend="interpret")
+    rel, row = errors(got, qmm.reference(x, values, scales, zeros, fmt=fmt, group_size=0))
+    assert rel < 1e-2 and row < 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_upcast_load_lowers_to_32_bit_loads(fmt):
+    """upcast_load changes the emitted conversion: Mosaic GPU's int8 -> bf16 upcast of 4-element (32-bit) registers
+    (its prmt selector 0x4342, decimal 17218, picks the high byte pair) appears only with the flag; by default the
+    tile is read in wgmma's own layout, 2 bytes a register (only the 0x4140 pair). fp8 lowers either way."""
+    values, scales, zeros = make_weight(np.random.default_rng(0), fmt, 4096, 4096, 0, False, False)
+    w = sm.prepare(values, scales, zeros, fmt=fmt)
+    x = jnp.ones((1, 4096), jnp.bfloat16)
+    texts = {}
+    for flag in (False, True):
+        config = sm.StreamConfig(upcast_load=flag)
+        lowered = jax.jit(lambda x, w, config=config: sm._stream_call(x, w, config, None, 132)).trace(x, w)  # pylint: disable=protected-access
+        texts[flag] = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        assert "wgmma.mma_async" in texts[flag]
+    if fmt == "int8":
+        assert "prmt.b32 s0, $1, 0x43, 17218" not in texts[False]
+        assert "prmt.b32 s0, $1, 0x43, 17218" in texts[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", CONVERT_CONFIGS)
+@pytest.mark.parametrize("fmt, m", [("int8", 1), ("fp8", 64)])
+def test_conversion_flags_on_gpu(fmt, m, config):
+    rng = np.random.default_rng(m)
+    values, scales, zeros = make_weight(rng, fmt, 4096, 14336, 0, False, False)
+    w = sm.prepare(values, scales, zeros, fmt=fmt)
+    x = jnp.asarray(rng.standard_normal((m, 4096)), jnp.bfloat16)
+    got = sm.stream_matmul(x, w, config=config, backend="mosaic_gpu")
+    rel, row = errors(got, qmm.reference(x, values, scales, zeros, fmt=fmt, group_size=0))
+    assert rel < 1e-2 and row < 2e-2
