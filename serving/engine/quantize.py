@@ -15,6 +15,8 @@ o, gate, up, down; not the embedding, nor the LM head, which asks for float32 lo
     int4_gptq  GPTQ with act-order, clip-searched static groups      (calibrated)
 
 int4 zero points are float (a group's [min, max], as GGUF Q4_1), not integer codes (BENCHMARKS.md: lower error).
+W8A8 weights are stored transposed, [N, K] (QuantizedArray.layout "nk"): what Hopper's 8-bit wgmma reads, so
+prefill never transposes them per call and decode's streaming kernel reads the same buffer.
 
 int4 groups are 128 input rows, or the largest of 64 / 32 that divides the layer's input size. Calibration runs
 the float model eagerly on `calibration_file` (or the short built-in text below) and records each projection's
