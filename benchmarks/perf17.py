@@ -202,24 +202,22 @@ def prime_host_jits(engine: LLMEngine) -> None:
     mesh-placed logits and num_logprobs=0: another jit signature, so each row bucket's 128k-vocabulary sampler
     compiles again the first time serving meets it, in the middle of a timed run. The runner's `_chain_tokens`
     compiles per (previous loop's rows, next loop's rows) bucket pair at the first such chain; a CPU's warm-up
-    skips `_take_rows`. Here each runs once per bucket (pair), as a step calls it, on free pages of the idle engine.
+    skips `_take_rows`. Here each runs once per bucket (pair) as serving calls it: on the logits of real steps
+    (a decode step per row bucket, one mixed step) and the tokens of real loops, on free pages of the idle engine.
     """
     from model.sampling import SamplingTensors
     from serving.core.request import Request
-    from serving.engine import engine as engine_module
     from serving.engine import runner as runner_module
 
     runner, k, buckets = engine.runner, engine.config.decode_steps, engine.runner.decode_buckets
-    for n in sorted(set(runner.logit_buckets) | set(buckets)):  # logits of every step shape, rows of every bucket
-        logits = runner.zero_logits(n)
-        for s in (s for s in buckets if s <= n):
-            engine_module._take_rows(logits, np.zeros(s, np.int32))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
-    for b in buckets:
-        reqs = [Request(f"prime-{i}", [1], params, eos_token_ids=engine.eos_token_ids) for i in range(b)]
-        engine._sample(logits, reqs)
-        if k == 1:
-            continue
+    reqs = [Request(f"prime-{i}", [1], params, eos_token_ids=engine.eos_token_ids) for i in range(buckets[-1])]
+    steps = [[RowInput([7], 0, [1 + i]) for i in range(b)] for b in buckets] + [[RowInput([7, 8], 0, [1])]]
+    for rows in steps:  # decode-only steps return [rows, V] logits, a mixed step [max_num_seqs, V]
+        logits = runner.forward(rows)
+        for s in (s for s in buckets if s <= logits.shape[0]):
+            engine._sample(logits, reqs[:s])  # _take_rows (logits shape, s) and the sampler of bucket s
+    for b in buckets if k > 1 else ():
         rows = [RowInput([7], 0, [1 + i]) for i in range(b)]
         loop = runner.decode_loop(rows, k, SamplingTensors.from_rows([{}] * b), np.full((k, b, 1), -1, np.int32))
         for s in (s for s in buckets if s <= b):  # a chain keeps the rows still running: at most as many
