@@ -2,8 +2,7 @@
 progress callback of LLM.generate.
 
 One server subprocess (the real binary on a loopback port) serves the whole module; its engine options are small
-so that CPU start-up stays short, and its compiled steps go to the persistent cache that the in-process LLM of the
-progress test then reads (same options, same shapes).
+so that CPU start-up stays short. The progress test runs a random tiny model in-process.
 """
 
 import io
@@ -238,15 +237,21 @@ def test_summarize_goodput_and_cut_requests():
     assert math.isclose(r["tokens_per_chunk"], 15 / 15)
 
 
-def test_llm_generate_progress_callback(server):
-    """Called after every step, monotone, ending at (total, total, all tokens); the generate binary's bar."""
+def test_llm_generate_progress_callback():
+    """Called after every step, monotone, ending at (total, total, all tokens); the generate binary's bar. The
+    callback is the engine loop's, whatever the model: a random tiny one (a second SmolLM2 in this process only
+    loaded and compiled it again; a CPU host has no persistent cache to share the server's steps)."""
+    import jax.numpy as jnp
+
+    from model.config import ModelConfig
+    from model.transformer import random_model
     from serving.engine.llm import LLM
     from serving.progress import Progress
 
-    llm = LLM(max_model_len=MAX_MODEL_LEN, **ENGINE)
+    llm = LLM.from_model(random_model(ModelConfig.tiny(), jnp.float32, seed=0), None, max_model_len=64, **ENGINE)
     calls = []
     outs = llm.generate(
-        ["Hello", "The capital of France is", "def f(x):"],
+        [[5], [6, 7, 8, 9, 10], [11, 12, 13]],
         max_tokens=5,
         ignore_eos=True,
         progress=lambda *a: calls.append(a),
