@@ -219,10 +219,15 @@ def test_untied_head_and_causality():
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(ckpt):
+    """The public LLM over a random tiny model with SmolLM2's tokenizer, vocabulary and EOS ids: these tests check
+    the API's refusals and seeding, not SmolLM2's numbers (loading and compiling it again cost most of them; the
+    default LLM() over SmolLM2 is test_engine's, test_server's and the binary test's below)."""
     from serving import LLM
 
-    return LLM(max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = ModelConfig.tiny(vocab_size=ckpt.config.vocab_size, eos_token_ids=ckpt.config.eos_token_ids)
+    model = random_model(cfg, jnp.float32, seed=0)
+    return LLM.from_model(model, ckpt.tokenizer, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def test_llm_errors(llm):
