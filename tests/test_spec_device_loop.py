@@ -36,7 +36,7 @@ from serving.speculative import processed_target_probs
 TINY = ModelConfig.tiny()
 OPTIONS = dict(
     attention_backend="xla",
-    max_num_seqs=4,
+    max_num_seqs=2,  # decode buckets 1 and 2: few compilations; a third request waits for a full batch
     max_num_batched_tokens=64,
     block_size=8,
     num_kv_blocks=96,
@@ -146,12 +146,37 @@ def test_warmup_compiles_every_decode_bucket(tiny):
     assert {k for k in runner._compiled if k[0] == "spec_loop"} == keys  # no spec loop compiled while serving
 
 
-def test_greedy_device_loop_matches_host_path_and_off(tiny):
+def _totals(c) -> np.ndarray:
+    return np.array([c.passes, c.drafted, c.accepted, c.emitted])
+
+
+def test_greedy_device_loop_matches_host_path_and_off(tiny, monkeypatch):
     reqs = _tiny_requests()
     off = _run(tiny, reqs, "off")
-    drafted = tiny.spec.counters.drafted
+    c = tiny.spec.counters
+    loops, host = np.zeros(4, int), np.zeros(4, int)  # (passes, drafted, accepted, emitted) of the loops / host steps
+    dispatch, step = tiny.spec_loops.dispatch, tiny.spec.step
+
+    def checked(rows, limits, draft_on):  # what each loop returns adds up, within the rows' limits
+        res = dispatch(rows, limits, draft_on)
+        assert np.all(res.counts <= limits) and np.array_equal(res.counts, res.emitted.sum(axis=0))
+        assert set(res.drafted.ravel().tolist()) <= {0, 3}
+        d, e = res.drafted, res.emitted
+        loops[:] += [np.sum(d > 0), d.sum(), np.where(d > 0, e - 1, 0).sum(), np.where(d > 0, e, 0).sum()]
+        return res
+
+    def host_step(out):  # mixed steps (a prefill beside decode rows) verify on the host
+        before = _totals(c)
+        got = step(out)
+        host[:] += _totals(c) - before
+        return got
+
+    monkeypatch.setattr(tiny.spec_loops, "dispatch", checked)
+    monkeypatch.setattr(tiny.spec, "step", host_step)
+    before = _totals(c)
     assert _run(tiny, reqs, "device") == off
-    assert tiny.spec.counters.drafted > drafted  # the loop drafted
+    assert loops[1] > 0 and loops[1] == 3 * loops[0]  # the loops drafted, k = 3 per drafting pass
+    np.testing.assert_array_equal(_totals(c) - before, loops + host)  # the counters are fed from the loops
     assert _run(tiny, reqs, "host") == off
     assert [len(o) for o in off] == [37, 9, 22, 5]
 

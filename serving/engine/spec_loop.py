@@ -143,7 +143,7 @@ def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
             i, hist, length, kv, out_tok, count, done, stats, routed = carry
             active = (count < limits) & ~done
             drafts, found = ngram_drafts(hist, length, k, max_n, min_n, max_history)
-            num_draft = jnp.where(found & draft_on & active, k, 0).astype(jnp.int32)
+            num_draft = jnp.where(found & (draft_on > 0) & active, k, 0).astype(jnp.int32)
             pos = (length - 1)[:, None] + j  # [S, k+1]
             tok = jnp.concatenate([hist[rows, length - 1][:, None], drafts], axis=1)
             real = active[:, None] & (pos < cover[:, None])
