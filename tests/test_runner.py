@@ -152,18 +152,20 @@ def test_tensor_parallel_mesh_places_shards_and_matches_one_device():
 
 def test_executable_cache_loads_without_compiling(model, tmp_path):
     """A second runner with the same cache directory loads every warm-up executable (no trace, no compile) and
-    computes the same logits; a corrupt entry is a miss, not a failure."""
+    computes the same logits; a corrupt entry is a miss, not a failure. Two rows and one 16-token bucket: 3
+    executables, each compiled twice (the first and the third runner), rather than the module runner's 5."""
     rows = [RowInput([5, 6, 7], 0, [1]), RowInput([9], 4, [2, 3])]
-    first = _runner(model, executable_cache_dir=str(tmp_path))
+    small = dict(max_num_seqs=2, max_num_batched_tokens=16, executable_cache_dir=str(tmp_path))
+    first = _runner(model, **small)
     n = first.warmup()
-    assert first.num_compiles == first._cache.misses == n > 0
+    assert first.num_compiles == first._cache.misses == n > 1
     expected = np.asarray(first.forward(rows))
-    second = _runner(model, executable_cache_dir=str(tmp_path))
+    second = _runner(model, **small)
     assert second.warmup() == n and second._cache.hits == n and second._cache.misses == 0
     np.testing.assert_array_equal(np.asarray(second.forward(rows)), expected)
     for f in tmp_path.iterdir():
         f.write_bytes(b"not an executable")
-    third = _runner(model, executable_cache_dir=str(tmp_path))
+    third = _runner(model, **small)
     assert third.warmup() == n and third._cache.misses == n  # every entry unreadable: compiled again
     np.testing.assert_array_equal(np.asarray(third.forward(rows)), expected)
 
