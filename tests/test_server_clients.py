@@ -35,6 +35,16 @@ ENGINE_OPTIONS = dict(
 )
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"
+SHORT = 16  # every short sequence scored offline is padded to this length: one compiled forward for all of them
+
+
+def _log_softmax(llm, ids, pad_to: int) -> np.ndarray:
+    """float64 log-softmax of LLM.score over `ids` [len, V], scored padded to `pad_to` tokens: the model is causal,
+    so the padding changes no row kept, and LLM.score compiles once per length (the 30-layer forward, seconds on a
+    CPU) instead of once per sequence."""
+    x = llm.score(list(ids) + [0] * (pad_to - len(ids)))[: len(ids)].astype(np.float64)
+    logp = x - x.max(-1, keepdims=True)
+    return logp - np.log(np.exp(logp).sum(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +80,7 @@ def test_openai_models_and_completions(live):
     echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
     lp = echo.choices[0].logprobs
     assert echo.choices[0].text == PROMPT and len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
-    x = llm.score(ids).astype(np.float64)
-    logp = x - x.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    logp = _log_softmax(llm, ids, SHORT)
     expect = [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
     assert np.allclose(lp.token_logprobs[1:], expect, atol=2e-3)
 
@@ -226,9 +234,7 @@ def _reference_logliks(llm) -> list[list[float]]:
         for choice in doc["choices"]:
             whole = llm.tokenizer.encode(doc["question"] + " " + choice)  # lm-eval's target_delimiter
             ctx = llm.tokenizer.encode(doc["question"])
-            x = llm.score(whole).astype(np.float64)
-            logp = x - x.max(-1, keepdims=True)
-            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            logp = _log_softmax(llm, whole, SHORT)
             scores.append(float(sum(logp[i - 1, whole[i]] for i in range(len(ctx), len(whole)))))
         out.append(scores)
     return out
@@ -285,9 +291,7 @@ def test_lm_eval_rolling_perplexity_matches_offline(live, tmp_path):
     assert len(pairs) >= 2 and sum(len(c) for _, c in pairs) == len(ids)
     ref = 0.0
     for ctx, cont in pairs:
-        x = llm.score(ctx + cont).astype(np.float64)
-        logp = x - x.max(-1, keepdims=True)
-        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        logp = _log_softmax(llm, ctx + cont, MAX_MODEL_LEN)
         ref += float(sum(logp[len(ctx) - 1 + j, t] for j, t in enumerate(cont)))
     ppl_server, ppl_offline = np.exp(-got / len(ids)), np.exp(-ref / len(ids))
     print("lm-eval rolling ppl", ppl_server, "offline", ppl_offline)
