@@ -289,6 +289,7 @@ class SpecLoops:
             for d, e in zip(res.drafted[:, i], res.emitted[:, i]):
                 if d > 0 and e > 0:  # a pass with drafts: e - 1 of them were accepted (and emitted)
                     policy.observe(r.request_id, int(d), int(e) - 1)
+                    self.spec.proposer.observe(r.request_id, int(d), int(e) - 1)  # as the host path tells it
                     c.passes, c.drafted, c.accepted, c.emitted = (
                         c.passes + 1,
                         c.drafted + int(d),
