@@ -1,6 +1,7 @@
 # Batch-1 tokens/s of n-gram speculation inside the on-device decode loop (serving/engine/spec_loop.py) against
 # speculation off and the host verify path (one round trip per pass), greedy, through the engine
-# (benchmarks/spec_engine.py --methods off,ngram,ngram_device), ~3-4 min on one H200:
+# (benchmarks/spec_engine.py --methods off,ngram,ngram_device), ~3-4 min on one H200 (at most 5.5, the timeouts):
+#   0. tests/test_spec_device_loop.py's gpu test: greedy tokens of the loop = plain decoding's on the GPU kernels;
 #   1. SmolLM2-135M-Instruct, real weights, code / prose / copy-heavy prompts: needs the default model, assembled
 #      from its two carried halves as benchmarks/run_gpu_tests.sh does (half a parked in /tmp/gpuc by an earlier call
 #      on the same warm machine, half b carried now). Without the model this part runs at SmolLM2 shape with random
@@ -25,9 +26,11 @@ SMOL="--prompt_chars 1500"
 [ -f $M ] || { echo "SmolLM2 not assembled: part 1 runs at its shape with random weights"; SMOL="--random_weights smollm2_135m"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 F="grep -v ^WARNING\|Warn"
+# exactness on the GPU kernels first (tiny model: device loop vs plain decoding, greedy)
+timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_spec_device_loop.py 2>&1 | tail -3
 K="--k 4 --max_tokens 128 --methods off,ngram,ngram_device"
-timeout 130 python3 benchmarks/spec_engine.py $SMOL $K --prompts_per_domain 2 \
+timeout 120 python3 benchmarks/spec_engine.py $SMOL $K --prompts_per_domain 2 \
   --out $OUT/spec_loop_h200_smollm2.json 2>&1 | $F | tail -40
-timeout 170 python3 benchmarks/spec_engine.py --random_weights llama3_8b $K --prompts_per_domain 1 \
+timeout 150 python3 benchmarks/spec_engine.py --random_weights llama3_8b $K --prompts_per_domain 1 \
   --out $OUT/spec_loop_h200_llama3_8b.json 2>&1 | $F | tail -40
 ls -la $OUT

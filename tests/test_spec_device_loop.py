@@ -331,3 +331,24 @@ def test_smollm2_greedy_identical_and_counters(smol, monkeypatch):
     assert [drafted, accepted] == [sum(v[0] for v in per_row.values()), sum(v[1] for v in per_row.values())]
     assert per_row[0][1] > 0  # the code is copied: drafts accepted
     assert per_row[2][1] > 0.8 * per_row[2][0], per_row  # the repeating pattern
+
+
+# The GPU kernels (the ragged Triton kernel verifies; plain decoding runs the decode kernel) --------------------------
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_device_loop_on_gpu_kernels_matches_off():
+    """The tiny model on the default kernels (CPU tests run the XLA reference; the interpreter of the Pallas kernel
+    agreed by hand): greedy tokens of the device loop equal plain decoding's, with drafts accepted."""
+    options = dict(OPTIONS, attention_backend=None, max_num_seqs=4)
+    engine = _always_drafting(
+        LLMEngine(random_model(TINY, jnp.float32, seed=7), NullTokenizer(), EngineConfig.from_kwargs(**options))
+    )
+    reqs = _tiny_requests()
+    off = _run(engine, reqs, "off")
+    c = engine.spec.counters
+    assert _run(engine, reqs, "device") == off
+    assert c.accepted > 0 and c.drafted > 0
