@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig
-from model.kv import NoCache
 from model.sampling import SamplingTensors
 from model.transformer import random_model
 from serving.engine.runner import ModelRunner, RowInput
@@ -31,10 +30,13 @@ def _runner(model, **kw):
     return ModelRunner(model, attention_backend="xla", **args)
 
 
-def _scores(model, ids):
-    t = len(ids)
-    logits, _ = model(jnp.asarray([ids]), jnp.arange(t)[None], None, NoCache(jnp.array([t])))
-    return np.asarray(logits[0])
+def _scores(model, ids, pad_to: int = 16):
+    """Full-sequence logits [len(ids), V], from one jitted forward padded to `pad_to` tokens (causal: the padding
+    changes no row kept; unjitted, every new length compiled each op of the model again)."""
+    from serving.engine.llm import _score
+
+    padded = list(ids) + [0] * (pad_to - len(ids))
+    return np.asarray(_score(model, jnp.asarray([padded], jnp.int32))[0, : len(ids)])
 
 
 @pytest.fixture(scope="module")
