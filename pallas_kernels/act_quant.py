@@ -8,15 +8,17 @@ before it (a third pass). Here one program owns `block_m` whole rows:
 
     program i:  x tile [bm, Kp] (Kp = K rounded up to a power of two, masked past K and M; Triton's tensors are
                 powers of two)  -> f32  (* pre_scale[K], rounded to x's dtype as model/quant.py does)
-                amax [bm] = max |x| over the row  ->  scale = amax / ACT_MAX (1 for an all-zero row: codes 0)
+                amax [bm] = max |x| over the row  ->  scale = amax * (1 / ACT_MAX) (1 for an all-zero row: codes 0)
                             or the static per-tensor scale
                 codes = round-half-even(clip(x / scale)) int8  |  clip(x / scale) -> e4m3 (RTNE), stored as bytes
                 store codes [bm, K] and scale [bm]
 
 So x is read once and the codes written once (K + 1 bytes a row against 2K read twice). The numbers are those
-of `reference` (quantize_activations), bit for bit: the same IEEE divide (on the GPU through PTX div.rn.f32:
-Triton lowers `/` to the approximate div.full.f32, which could move a code by one level at a rounding boundary),
-the same clip, round half to even (Triton has no round: floor plus the tie rule, exact in f32 for |v| <= 127).
+of `reference` (quantize_activations), bit for bit: the scale as max|x| times the same f32 reciprocal (XLA turns a
+divide by a constant into that multiply on the GPU), x / scale as an IEEE divide (on the GPU through PTX
+div.rn.f32: Triton lowers `/` to the approximate div.full.f32, which could move a code by one level at a rounding
+boundary), the same clip, round half to even (Triton has no round: floor plus the tie rule, exact in f32 for
+|v| <= 127).
 
 Backends: "triton" (GPU), "interpret" (the Pallas interpreter, CPU tests), "xla" (`reference`).
 """
@@ -33,8 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.w8a8_matmul import ACT_RECIP  # one table: the same scales, bit for bit
 
-ACT_MAX = {"fp8": 448.0, "int8": 127.0}  # the same as w8a8_matmul.ACT_MAX
 DTYPES = {"fp8": jnp.dtype(jnp.float8_e4m3fn), "int8": jnp.dtype(jnp.int8)}
 KERNEL_NAME = "act_quant"
 
@@ -113,7 +115,7 @@ def _kernel(x_ref, *refs, fmt: str, bm: int, kp: int, has_pre: bool, static: boo
         x = (x * pre[None, :]).astype(x_ref.dtype).astype(jnp.float32)
     if act_ref is None:
         amax = jnp.max(jnp.abs(x), axis=1)  # [bm]; masked columns are 0
-        scale = jnp.where(amax > 0, _div(amax, jnp.float32(ACT_MAX[fmt]), exact_div), 1.0)
+        scale = jnp.where(amax > 0, amax * ACT_RECIP[fmt], 1.0)  # as w8a8_matmul.quantize_activations
     else:
         scale = jnp.broadcast_to(act_ref[...], (bm,))
     v = _div(x, scale[:, None], exact_div)
