@@ -25,7 +25,8 @@ torch.cuda.synchronize, for torch):
                                  transposed per call and the two-pass jnp quantiser (the path before); fake_quant_path:
                                  fake-quantise-then-bf16-dot; xla_bf16_us: the bf16 dot it competes with
 
-`--model_path_only` times just those model-path rows (and each quantiser alone) on the four shapes at M = 4096.
+`--model_path_only` times the kernel path and XLA bf16 on the four shapes at M = 4096, and on the first shape also
+the paths before and each quantiser alone.
 
 Before any timing, every kernel output is checked against `w8a8_matmul.reference` (norm-relative error < 1e-2; a
 failure is recorded and that row is not timed). `--sweep_seconds` bounds a small config sweep (epilogue, tile sizes,
@@ -190,14 +191,15 @@ def bench_shape(name, m, k, n, backend, cfg=None):
     return row
 
 
-def time_model_path(m, k, n, quantisers: bool = False) -> dict:
+def time_model_path(m, k, n, detail: bool = True, quantisers: bool = False) -> dict:
     """model/quant.py's matmul on a W8A8 QuantizedArray from bf16 x, end to end (module docstring's model_* rows).
 
     Each path's output is compared with quant.reference_matmul first (rel error recorded; timed unless it raised).
     Every path is a fresh function: jax.jit caches traces by function, so jitting quant.matmul itself again after
     a module flag changed reran the first path's trace (the session-5 "fake_quant_path" rows were the kernel path).
-    `quantisers`: also the activation quantisers alone (Pallas one-pass vs jnp), the bf16 dot, and the kernel on
-    the Pallas quantiser's own codes against w8a8_matmul.reference (the kernel's error alone)."""
+    `detail` False: the kernel path only. `quantisers`: also the bf16 dot and, with `detail`, the activation
+    quantisers alone (Pallas one-pass vs jnp) and the kernel on the Pallas quantiser's own codes against
+    w8a8_matmul.reference (the kernel's error alone)."""
     from model import quant  # noqa: PLC0415
     from pallas_kernels import act_quant  # noqa: PLC0415
 
@@ -209,7 +211,8 @@ def time_model_path(m, k, n, quantisers: bool = False) -> dict:
         kn = quant.QuantizedArray(jnp.asarray(wq_t.T), ws.reshape(n), fmt=fmt, act_fmt=fmt)
         ref = jax.jit(lambda a, b: quant.reference_matmul(a, b))(x, kn)
         paths = [("kernel_path", quant.to_layout(kn, "nk"), None, saved[0])]
-        paths += [("kn_jnp_quant_path", kn, "xla", saved[0]), ("fake_quant_path", kn, None, m + 1)]
+        if detail:
+            paths += [("kn_jnp_quant_path", kn, "xla", saved[0]), ("fake_quant_path", kn, None, m + 1)]
         for path, q, quantiser, min_rows in paths:
             quant.W8A8_MIN_ROWS, quant.ACT_QUANT_BACKEND = min_rows, quantiser
             try:
@@ -220,7 +223,7 @@ def time_model_path(m, k, n, quantisers: bool = False) -> dict:
                 rows[f"model_{fmt}_{path}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             finally:
                 quant.W8A8_MIN_ROWS, quant.ACT_QUANT_BACKEND = saved
-        if quantisers:
+        if quantisers and detail:
             for name, backend in (("pallas", None), ("jnp", "xla")):
                 fn = jax.jit(
                     lambda a, fmt=fmt, backend=backend: act_quant.quantize_activations(a, fmt, backend=backend)
@@ -353,10 +356,12 @@ def model_path_main(args) -> int:
 
         quant.W8A8_BACKEND, m, shapes = "interpret", quant.W8A8_MIN_ROWS, SMOKE["shapes"]
         TIMING.update(iters=1, reps=1)
+    else:  # ~25 compiles in all: a short timing keeps the four shapes inside a minute and a half
+        TIMING.update(iters=5, reps=3)
     result = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(), m=m, rows=[])
     result.update(jax=jax.__version__, timing=TIMING)
-    for name, k, n in shapes:
-        row = dict(shape=name, m=m, k=k, n=n, **time_model_path(m, k, n, quantisers=True))
+    for i, (name, k, n) in enumerate(shapes):  # the paths before, the quantisers alone: on the first shape
+        row = dict(shape=name, m=m, k=k, n=n, **time_model_path(m, k, n, detail=i == 0, quantisers=True))
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
         with open(args.out, "w") as f:
