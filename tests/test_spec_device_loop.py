@@ -181,11 +181,17 @@ def test_greedy_device_loop_matches_host_path_and_off(tiny, monkeypatch):
     assert [len(o) for o in off] == [37, 9, 22, 5]
 
 
-def test_greedy_batch_of_one_and_stop_id(tiny):
+def test_greedy_batch_of_one_stop_id_and_short_search_window(tiny, monkeypatch):
     prompt, params = _tiny_requests()[0]
     (off,) = _run(tiny, [(prompt, params)], "off")
     (dev,) = _run(tiny, [(prompt, params)], "device")
     assert dev == off
+    # a search window shorter than the prompt: the loop holds only its tail (positions from an offset)
+    monkeypatch.setattr(tiny.spec, "proposer", NgramProposer(max_n=4, min_n=1, max_history=12))
+    drafted = tiny.spec.counters.drafted
+    assert _run(tiny, [(prompt, params)], "device") == [off]
+    assert tiny.spec.counters.drafted > drafted
+    monkeypatch.undo()
     stop = off[12]  # a stop id emitted mid-run: the output ends at its first occurrence
     first = off.index(stop)
     stopped = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
@@ -234,7 +240,8 @@ def _first_tokens(engine, hist: list[int], st_row: dict, n: int) -> np.ndarray:
     tiled[:, : len(hist)] = hist
     st = SamplingTensors.from_rows([dict(st_row, seed=i) for i in range(n)])
     tables = np.tile(np.asarray(table, np.int32), (n, 1))
-    args = (tiled, np.full(n, len(hist), np.int32), tables, np.full(n, k + 1, np.int32), np.ones(n, np.int32))
+    lengths, offsets = np.full(n, len(hist), np.int32), np.zeros(n, np.int32)
+    args = (tiled, lengths, offsets, tables, np.full(n, k + 1, np.int32), np.ones(n, np.int32))
     stops = np.full((n, spec_loop.MAX_STOP_IDS), -1, np.int32)
     tok, stats, r.kv_cache, _ = fn(r.params, r.kv_cache, *args, stops, st)
     stats = np.asarray(stats)
@@ -263,7 +270,7 @@ def _draft_history(engine, st_row: dict) -> tuple[list[int], int]:
     raise AssertionError("no history with a mid-probability draft")
 
 
-N_DRAWS = 3000
+N_DRAWS = 1024
 
 
 def test_first_token_distribution_is_the_targets(tiny, monkeypatch):

@@ -5,7 +5,8 @@ H200 with the host's work and dispatch gaps), while a pass over k + 1 tokens cos
 per-pass overheads eat the gain. Here `num_steps` passes run inside one jitted `lax.while_loop`, like the plain
 decode loop (runner._loop_fn), so the round trip is paid once per loop. Per iteration, for every row:
 
-    draft     prompt lookup on the row's token history [S, H] (prompt + output so far): the k tokens that followed
+    draft     prompt lookup on the row's token history [S, H] (the last max_history tokens of prompt + output when
+              the loop starts, then its own tokens; `offset` = the positions before it): the k tokens that followed
               the most recent earlier occurrence of its last n tokens, n from max_n down to min_n, exactly
               NgramProposer's rule (`ngram_drafts`); no match (or the policy gave the row k = 0): no drafts
     verify    one ragged pass of k + 1 query tokens per row (cu_q_lens = (k + 1) * row), logits at every one
@@ -114,8 +115,9 @@ def accept(logits_skv, drafts_sk, num_draft_s, st: SamplingTensors):
 
 
 def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
-    """The jitted loop: (params, kv, hist [S, H], length [S], tables [S, W], limits [S], draft_on [S], stop_ids
-    [S, MAX_STOP_IDS], st) -> (tokens [num_steps*(k+1), S], stats [1 + 2*num_steps, S], kv, router counts).
+    """The jitted loop: (params, kv, hist [S, H], length [S], offset [S], tables [S, W], limits [S], draft_on [S],
+    stop_ids [S, MAX_STOP_IDS], st) -> (tokens [num_steps*(k+1), S], stats [1 + 2*num_steps, S], kv, router counts).
+    Row s's tokens are hist[s, :length[s]], at positions offset[s] onwards; the last one is the loop's first input.
 
     stats row 0: tokens each row emitted; rows 1..num_steps: drafts per iteration; the last num_steps rows: tokens
     emitted per iteration. The output tree is the plain loop's (tokens, one array, kv, counts), so the runner's
@@ -125,12 +127,12 @@ def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
     k1 = k + 1
     max_n, min_n, max_history = ngram
 
-    def loop(params, kv, hist, length, tables, limits, draft_on, stop_ids, st: SamplingTensors):
+    def loop(params, kv, hist, length, offset, tables, limits, draft_on, stop_ids, st: SamplingTensors):
         model = nnx.merge(graphdef, params)
         s = hist.shape[0]
         rows = jnp.arange(s)
         cu = (jnp.arange(s + 1) * k1).astype(jnp.int32)
-        cover = length - 1 + limits  # positions below this have reserved blocks
+        cover = offset + length - 1 + limits  # positions below this have reserved blocks
         tables = jnp.pad(tables, ((0, 0), (0, -(-k1 // bs) + 1)))  # kv_len up to cover + k stays inside the table
         j = jnp.arange(k1)[None, :]
         out_len = num_steps * k1
@@ -144,12 +146,12 @@ def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
             active = (count < limits) & ~done
             drafts, found = ngram_drafts(hist, length, k, max_n, min_n, max_history)
             num_draft = jnp.where(found & (draft_on > 0) & active, k, 0).astype(jnp.int32)
-            pos = (length - 1)[:, None] + j  # [S, k+1]
+            pos = (offset + length - 1)[:, None] + j  # [S, k+1]
             tok = jnp.concatenate([hist[rows, length - 1][:, None], drafts], axis=1)
             real = active[:, None] & (pos < cover[:, None])
             page = tables[rows[:, None], jnp.minimum(pos // bs, tables.shape[1] - 1)]
             slots = jnp.where(real, page * bs + pos % bs, 0)
-            kv_lens = (length + k).astype(jnp.int32)
+            kv_lens = (offset + length + k).astype(jnp.int32)
             meta = PagedMeta(slots.reshape(-1), tables, kv_lens, cu, jnp.int32(s), False, backend, mesh)
             valid = jnp.repeat(active, k1)[None]
             logits, kv, counts = model(tok.reshape(1, -1), pos.reshape(1, -1), kv, meta, None, valid, True)
@@ -220,8 +222,10 @@ class SpecLoops:
 
     @property
     def history(self) -> int:
-        """H, the history buffer's width: max_model_len rounded up to 128 (a row never grows past max_model_len)."""
-        return -(-self._engine.max_model_len // 128) * 128
+        """H, the history buffer's width: the tokens prompt lookup searches (the last max_history, at most
+        max_model_len) plus what one loop appends, rounded up to 128: independent of the context length."""
+        n = min(self._engine.max_model_len, self.proposer.max_history) + self.num_steps * (self.k + 1)
+        return -(-n // 128) * 128
 
     def _key(self, s: int, w: int) -> tuple:
         p = self.proposer
@@ -231,7 +235,8 @@ class SpecLoops:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         st = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), SamplingTensors.from_rows([{}] * s))
         r = self.runner
-        return (r.params, r.kv_cache, i32(s, self.history), i32(s), i32(s, w), i32(s), i32(s), i32(s, MAX_STOP_IDS), st)
+        hist = i32(s, self.history)
+        return (r.params, r.kv_cache, hist, i32(s), i32(s), i32(s, w), i32(s), i32(s), i32(s, MAX_STOP_IDS), st)
 
     def _build(self):
         p = self.proposer
@@ -308,14 +313,17 @@ class SpecLoops:
         w = r._width([req.block_ids for req in reqs])
         hist = np.zeros((s, self.history), np.int32)
         length = np.ones(s, np.int32)  # padding rows: one token at position 0, limit 0 (the null page only)
+        offset = np.zeros(s, np.int32)
+        searched = self.proposer.max_history
         tables = np.zeros((s, w), np.int32)
         lim = np.zeros(s, np.int32)
         on = np.zeros(s, np.int32)
         stops = np.full((s, MAX_STOP_IDS), -1, np.int32)
         for i, req in enumerate(reqs):
             ids = req.all_token_ids
-            hist[i, : len(ids)] = ids
-            length[i] = len(ids)
+            tail = ids[-searched:]  # what prompt lookup searches: older tokens never matter
+            hist[i, : len(tail)] = tail
+            length[i], offset[i] = len(tail), len(ids) - len(tail)
             tables[i, : len(req.block_ids)] = req.block_ids
             lim[i], on[i] = limits[i], draft_on[i]
             p = req.sampling_params
@@ -323,7 +331,8 @@ class SpecLoops:
             stops[i, : len(ids)] = ids
         st = pad_sampling(self._sampling_tensors(reqs), s)
         exe = r._executable(self._key(s, w), self._build, lambda: self._args(s, w))
-        out_tok, stats, r.kv_cache, routed = exe(r.params, r.kv_cache, hist, length, tables, lim, on, stops, st)
+        args = (hist, length, offset, tables, lim, on, stops, st)
+        out_tok, stats, r.kv_cache, routed = exe(r.params, r.kv_cache, *args)
         r._count_routed(routed)
         self.num_loops += 1
         tokens, stats = np.asarray(out_tok)[:, :n], np.asarray(stats)[:, :n]
