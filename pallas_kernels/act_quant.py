@@ -6,8 +6,10 @@ What it replaces: pallas_kernels/w8a8_matmul.quantize_activations in jnp (two pa
 the divide-and-round, 56-71 us at 4096 x 4096 bf16 on the H200) and, for SmoothQuant, the pre-scale multiply
 before it (a third pass). Here one program owns `block_m` whole rows:
 
-    program i:  x tile [bm, Kp] (Kp = K rounded up to a power of two, masked past K and M; Triton's tensors are
-                powers of two)  -> f32  (* pre_scale[K], rounded to x's dtype as model/quant.py does)
+    program i:  x rows [bm, K] in registers, loaded in chunks of the largest power of two dividing K (<= 4096:
+                Triton's tensors are powers of two; 14336 = 7 x 2048) with no column mask, so loads and stores
+                vectorise (small odd K: one block of K rounded up, masked)  -> f32  (* pre_scale[K], rounded to
+                x's dtype as model/quant.py does)
                 amax [bm] = max |x| over the row  ->  scale = amax * (1 / ACT_MAX) (1 for an all-zero row: codes 0)
                             or the static per-tensor scale
                 codes = round-half-even(clip(x / scale)) int8  |  clip(x / scale) -> e4m3 (RTNE), stored as bytes
@@ -94,7 +96,15 @@ def _div(a, b, exact: bool):
     return out
 
 
-def _kernel(x_ref, *refs, fmt: str, bm: int, kp: int, has_pre: bool, static: bool, exact_div: bool):
+def _chunk(k: int) -> int:
+    """Columns per load: the largest power of two (<= 4096) dividing K, so that whole-row chunks need no column
+    mask (a mask that varies along the columns keeps Triton from vectorising: 1-byte stores, 2-byte loads); K with
+    no such chunk of 64 or more (small odd K) is read as one masked block of K rounded up to a power of two."""
+    chunk = min(k & -k, 4096)
+    return chunk if chunk >= 64 else _next_pow2(k)
+
+
+def _kernel(x_ref, *refs, fmt: str, bm: int, has_pre: bool, static: bool, exact_div: bool):
     # x_ref:   [M, K] bf16 / f16 / f32
     # pre_ref: [K] f32 per-input-channel factor (SmoothQuant), when has_pre
     # act_ref: [1] f32 static per-tensor scale, when static
@@ -105,26 +115,47 @@ def _kernel(x_ref, *refs, fmt: str, bm: int, kp: int, has_pre: bool, static: boo
     act_ref = rest.pop(0) if static else None
     q_ref, s_ref = rest
     m, k = x_ref.shape
+    chunk = _chunk(k)
+    n_chunks = max(1, k // chunk)
+    col_mask = chunk * n_chunks != k  # the small-odd-K fallback: one block past K
     rows = pl.program_id(0) * bm + jnp.arange(bm)
-    cols = jnp.arange(kp)
     row_ok = rows < m
-    mask = row_ok[:, None] & (cols < k)[None, :]
-    x = pltriton.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0).astype(jnp.float32)  # [bm, Kp]
-    if pre_ref is not None:  # rounded to x's dtype, as model/quant.py's _prepare_input does before quantising
-        pre = pltriton.load(pre_ref.at[cols], mask=cols < k, other=0)  # [Kp]
-        x = (x * pre[None, :]).astype(x_ref.dtype).astype(jnp.float32)
+
+    def block(c):  # (cols [chunk], mask [bm, chunk] or None) of chunk c; the row mask is constant along columns
+        cols = c * chunk + jnp.arange(chunk)
+        mask = None if m % bm == 0 else jnp.broadcast_to(row_ok[:, None], (bm, chunk))
+        if col_mask:
+            mask = row_ok[:, None] & (cols < k)[None, :]
+        return cols, mask
+
+    def load(ref, c):  # [bm, chunk] of a 2-D ref, zero where masked
+        cols, mask = block(c)
+        return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0 if mask is not None else None)
+
+    xs = []  # the row block in registers, chunk by chunk: x is read once
+    for c in range(n_chunks):
+        x = load(x_ref, c).astype(jnp.float32)  # [bm, chunk]
+        if pre_ref is not None:  # rounded to x's dtype, as model/quant.py's _prepare_input does before quantising
+            cols, _ = block(c)
+            pre = pltriton.load(pre_ref.at[cols], mask=cols < k if col_mask else None, other=0 if col_mask else None)
+            x = (x * pre[None, :]).astype(x_ref.dtype).astype(jnp.float32)
+        xs.append(x)
     if act_ref is None:
-        amax = jnp.max(jnp.abs(x), axis=1)  # [bm]; masked columns are 0
+        amax = jnp.max(jnp.abs(xs[0]), axis=1)  # [bm]; masked columns are 0
+        for x in xs[1:]:
+            amax = jnp.maximum(amax, jnp.max(jnp.abs(x), axis=1))
         scale = jnp.where(amax > 0, amax * ACT_RECIP[fmt], 1.0)  # as w8a8_matmul.quantize_activations
     else:
         scale = jnp.broadcast_to(act_ref[...], (bm,))
-    v = _div(x, scale[:, None], exact_div)
-    if fmt == "int8":
-        q = _round_half_even(jnp.clip(v, -127.0, 127.0)).astype(jnp.int8)
-    else:
-        q = lax.bitcast_convert_type(jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn), jnp.uint8)
-    pltriton.store(q_ref.at[rows[:, None], cols[None, :]], q, mask=mask)
-    pltriton.store(s_ref.at[rows], scale, mask=row_ok)
+    for c, x in enumerate(xs):
+        v = _div(x, scale[:, None], exact_div)
+        if fmt == "int8":
+            q = _round_half_even(jnp.clip(v, -127.0, 127.0)).astype(jnp.int8)
+        else:
+            q = lax.bitcast_convert_type(jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn), jnp.uint8)
+        cols, mask = block(c)
+        pltriton.store(q_ref.at[rows[:, None], cols[None, :]], q, mask=mask)
+    pltriton.store(s_ref.at[rows], scale, mask=None if m % bm == 0 else row_ok)
 
 
 # Layer 2: the pallas_call builder ----------------------------------------------------------------------------------
@@ -132,7 +163,7 @@ def _kernel(x_ref, *refs, fmt: str, bm: int, kp: int, has_pre: bool, static: boo
 
 def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, interpret: bool):
     m, k = x2.shape
-    bm, kp = config.block_m(k), _next_pow2(k)
+    bm = config.block_m(k)
     inputs = [x2]
     if pre_scale is not None:
         inputs.append(pre_scale.astype(jnp.float32).reshape(k))
@@ -142,7 +173,6 @@ def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, inter
         _kernel,
         fmt=fmt,
         bm=bm,
-        kp=kp,
         has_pre=pre_scale is not None,
         static=act_scale is not None,
         exact_div=not interpret,  # inline PTX: the interpreter runs no assembly (and divides exactly anyway)
@@ -157,7 +187,7 @@ def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, inter
         ),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
-        name=f"act_quant_{fmt}_bm{bm}_k{kp}",
+        name=f"act_quant_{fmt}_bm{bm}_c{_chunk(k)}",
     )(*inputs)
     if fmt == "fp8":
         q = lax.bitcast_convert_type(q, jnp.float8_e4m3fn)

@@ -32,7 +32,8 @@ CASES = [
     pytest.param("int8", 5, 1024, jnp.float16, True, False, id="int8_f16_pre_scale"),
     pytest.param("fp8", 7, 96, jnp.float32, False, True, id="fp8_f32_static"),
     pytest.param("int8", 9, 384, jnp.bfloat16, True, True, id="int8_pre_and_static"),
-    pytest.param("fp8", 2, 14336, jnp.bfloat16, False, False, id="fp8_llama_down_k"),
+    pytest.param("fp8", 2, 14336, jnp.bfloat16, False, False, id="fp8_llama_down_k"),  # 7 chunks, no masks
+    pytest.param("int8", 8, 4096, jnp.bfloat16, True, False, id="int8_whole_row_blocks"),  # M % block_m == 0
 ]
 
 
