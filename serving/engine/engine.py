@@ -120,6 +120,7 @@ class LLMEngine:
             enable_prefix_caching=c.enable_prefix_caching,
             policy=c.policy,
             kv_window=model.cfg.kv_window,
+            max_prefill_tokens_while_decoding=c.max_prefill_tokens_while_decoding,
         )
         self._tracks: dict[str, _Track] = {}
         self._finished: dict[str, _Track] = {}
@@ -155,10 +156,11 @@ class LLMEngine:
             log.info("warm-up: %d/%d executables compiled (%.0f s)", done, total, time.perf_counter() - t0)
 
         self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else (), progress=progress, widths=widths)
-        for s in self.runner.decode_buckets:  # the shapes `_sample` passes: float32 logits [s, V], banned [s, 8]
-            logits = jax.numpy.zeros((s, self.vocab_size), jax.numpy.float32)
+        for s in self.runner.decode_buckets:  # what `_sample` passes: `_take_rows`'s placed [s, V], banned [s, 8]
+            logits = _take_rows(self.runner.zero_logits(s), np.zeros(s, np.int32))  # (a jit keys on placement)
             banned = np.full((s, _MAX_BANNED), -1, np.int32)
-            jax.block_until_ready(sample_rows(logits, SamplingTensors.from_rows([{}] * s), None, None, banned))
+            st = SamplingTensors.from_rows([{}] * s)
+            jax.block_until_ready(sample_rows(logits, st, None, None, banned, num_logprobs=0))
             if widths is None:  # the gathers of sampled rows out of every logits shape a step returns (GPU)
                 for n in sorted(set(self.runner.logit_buckets) | set(self.runner.decode_buckets)):
                     _take_rows(self.runner.zero_logits(n), np.zeros(s, np.int32))
