@@ -49,6 +49,11 @@ flags.DEFINE_integer("decode_steps", _D.decode_steps, "decode steps per on-devic
 flags.DEFINE_bool(
     "async_scheduling", _D.async_scheduling, "launch the next decode loop before the host applies the current one"
 )
+flags.DEFINE_integer(
+    "max_prefill_tokens_while_decoding",
+    _D.max_prefill_tokens_while_decoding,
+    "prompt tokens one step carries while sequences decode (0: the whole budget); bounds inter-token latency",
+)
 # Parallelism
 flags.DEFINE_integer("data_parallel_size", _D.parallel.dp, "data-parallel engine replicas")
 flags.DEFINE_integer("tensor_parallel_size", _D.parallel.tp, "devices each layer is split across")

@@ -42,6 +42,7 @@ NON_DEFAULT = dict(
     policy="priority",
     decode_steps=4,
     async_scheduling=False,
+    max_prefill_tokens_while_decoding=128,
     speculative_device_loop=False,  # accepted alone: it only matters with speculative_method="ngram"
     attention_backend="xla",
     warmup=False,

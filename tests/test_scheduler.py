@@ -102,6 +102,38 @@ def test_decode_rows_come_before_an_older_prefill():
     ]
 
 
+def test_prefill_cap_while_decoding_bounds_prompt_tokens_per_step():
+    """While rows decode, prompt tokens per step (running prefills and admissions together) stay under the cap;
+    with nothing decoding the whole budget is used again."""
+    s = make(budget=32, max_prefill_tokens_while_decoding=5)
+    s.add_request(req("a", 3, max_tokens=30))
+    out, _ = step(s)  # nothing decodes yet: the prompt takes what it needs of the whole budget
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("a", 3)]
+    s.add_request(req("b", 12))
+    s.add_request(req("c", 4))
+    seen = []
+    for _ in range(4):
+        out, _ = step(s)
+        seen.append([(sr.request_id, len(sr.token_ids)) for sr in out.scheduled])
+    assert seen == [
+        [("a", 1), ("b", 5)],  # the cap, not the 31 tokens of budget left, limits b's chunk and c must wait
+        [("a", 1), ("b", 5)],
+        [("a", 1), ("b", 2), ("c", 3)],  # b's prompt ends, c starts within what is left of the cap
+        [("a", 1), ("b", 1), ("c", 1)],
+    ]
+    s2 = make(budget=32)  # without the cap the same requests take the whole budget
+    s2.add_request(req("a", 3, max_tokens=30))
+    step(s2)
+    s2.add_request(req("b", 12))
+    s2.add_request(req("c", 4))
+    out, _ = step(s2)
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("a", 1), ("b", 12), ("c", 4)]
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        make(max_prefill_tokens_while_decoding=-1)
+    with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
+        make(max_prefill_tokens_while_decoding=8, enable_chunked_prefill=False)
+
+
 def test_max_num_seqs_limits_running():
     s = make(max_num_seqs=2)
     for rid in "abc":
@@ -527,6 +559,7 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
         policy=policy,
         long_prefill_token_threshold=threshold,
         enable_chunked_prefill=bool(threshold) or rng.random() < 0.5,
+        max_prefill_tokens_while_decoding=rng.choice([0, 3]) if threshold else 0,
     )
     prefixes = [[rng.randint(3, 40) for _ in range(16)] for _ in range(3)]
     fallback_steps = []

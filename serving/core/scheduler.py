@@ -16,7 +16,8 @@ token sampled last step) plus its draft tokens, a request resumed after preempti
 again. Each step:
 
 1. Running requests, decode rows (one token left) first, then unfinished prefills, each group oldest first.
-   Each takes min(remaining, budget left, long_prefill_token_threshold) tokens; a decode row with k drafts
+   Each takes min(remaining, budget left, long_prefill_token_threshold) tokens (prefill rows, admissions
+   included, at most max_prefill_tokens_while_decoding in all when the step has decode rows); a decode row with k drafts
    takes 1 + k, the drafts trimmed to the budget (less one token per later decode row), max_model_len and
    max_tokens. When blocks run out the
    youngest unscheduled running request is preempted by recompute (its committed full blocks go to the prefix
@@ -85,6 +86,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         enable_chunked_prefill: bool = True,
         kv_window: int | None = None,
+        max_prefill_tokens_while_decoding: int = 0,
     ):
         """Args:
         num_blocks: KV pages in the device pool, including the null page 0.
@@ -97,6 +99,8 @@ class Scheduler:
         long_prefill_token_threshold: cap on one request's tokens per step (0: no cap).
         enable_chunked_prefill: when False a prompt is admitted only if it fits the budget whole.
         kv_window: sliding window of every layer (ModelConfig.kv_window): KV blocks outside it are given back.
+        max_prefill_tokens_while_decoding: prompt tokens a step carries in all while it has decode rows (0: the
+            whole budget): a step with a full prefill chunk stalls every decoding row for it (inter-token latency).
         """
         for name, value in (
             ("block_size", block_size),
@@ -108,16 +112,22 @@ class Scheduler:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
-        if long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
-        if long_prefill_token_threshold and not enable_chunked_prefill:
-            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
+        for name, value in (
+            ("long_prefill_token_threshold", long_prefill_token_threshold),
+            ("max_prefill_tokens_while_decoding", max_prefill_tokens_while_decoding),
+        ):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+            if value and not enable_chunked_prefill:  # a prompt over the cap could never start while rows decode
+                raise ValueError(f"{name} needs enable_chunked_prefill")
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self._prefill_left = max_num_batched_tokens  # prompt tokens this step may still take (schedule())
         self.enable_chunked_prefill = enable_chunked_prefill
         self.kv = KVManager(num_blocks, block_size, enable_prefix_caching, window=kv_window)
         self.requests: dict[str, Request] = {}  # Unfinished requests.
@@ -236,6 +246,8 @@ class Scheduler:
         """Decode rows first, then unfinished prefills, each oldest first, while the budget lasts."""
         order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._age(r)))
         decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in order)
+        cap = self.max_prefill_tokens_while_decoding
+        self._prefill_left = cap if cap and decodes_left else self.max_num_batched_tokens
         for req in order:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
@@ -244,7 +256,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # Preempted earlier in this loop.
             n = self._num_new_tokens(req, budget)
-            if self._allocate_or_preempt(req, n, scheduled, out, protect):
+            if n and self._allocate_or_preempt(req, n, scheduled, out, protect):
                 # Drafts leave one token of budget for each later decode row.
                 self._emit(req, n, out, num_draft=self._num_drafts(req, budget - decodes_left))
                 scheduled.add(req.request_id)
@@ -277,7 +289,8 @@ class Scheduler:
             whole = n == req.num_tokens - req.num_computed_tokens
             chunk_ok = self.enable_chunked_prefill or req.num_preemptions > 0
             if (
-                not (whole or chunk_ok)
+                not n
+                or not (whole or chunk_ok)
                 or not self.kv.can_allocate(req, req.num_tokens - req.num_computed_tokens)
                 or not out.take(self.kv.allocate(req, n))
             ):
@@ -291,7 +304,10 @@ class Scheduler:
             self._emit(req, n, out)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        return min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_token_threshold or budget)
+        left = req.num_tokens - req.num_computed_tokens
+        if left > 1:  # a prefill row (a decode row's drafts are not in num_tokens)
+            budget = min(budget, self._prefill_left)
+        return min(left, budget, self.long_prefill_token_threshold or budget)
 
     def _num_drafts(self, req: Request, budget: int) -> int:
         """Draft tokens a decode row can verify this step: its drafts trimmed to the budget (after its own
@@ -306,6 +322,8 @@ class Scheduler:
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput, num_draft: int = 0) -> None:
         start = req.num_computed_tokens
+        if req.num_tokens - start > 1:
+            self._prefill_left -= n
         tokens = req.all_token_ids[start : start + n] + req.spec_token_ids[:num_draft]
         out.scheduled.append(
             ScheduledRequest(req, tokens, start, list(req.block_ids), start + n == req.num_tokens, num_draft)
