@@ -187,6 +187,7 @@ def _engine(model, a, **overrides) -> LLMEngine:
         block_size=a.block_size,
         num_kv_blocks=1 + a.max_num_seqs * (max_len // a.block_size),  # every row at its longest: no preemption
         decode_steps=a.decode_steps,
+        max_prefill_tokens_while_decoding=a.max_prefill_tokens_while_decoding,
         enable_prefix_caching=False,  # repeated prompts must be computed again, not found in the cache
         warmup=False,
         compilation_cache_dir=a.compilation_cache_dir,
@@ -622,6 +623,7 @@ def itl_load(engine: LLMEngine, model, a, emit) -> None:
             input_len=a.input_len,
             output_len=a.output_len,
             decode_steps=a.decode_steps,
+            max_prefill_tokens_while_decoding=a.max_prefill_tokens_while_decoding,
             load=a.load,
             peak_output_tokens_per_s=peak,
             arrival_rate_rps=rate,
@@ -686,6 +688,9 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of peak output tokens/s")
     p.add_argument("--peak", type=float, default=0.0, help="peak output tokens/s (0: measure it with a burst)")
     p.add_argument("--ramp_fraction", type=float, default=0.25)
+    p.add_argument(
+        "--max_prefill_tokens_while_decoding", type=int, default=0, help="the scheduler's cap (0: off, the default)"
+    )
     for name, value in SIZES["full"].items():  # defaults by preset family (see SIZES)
         p.add_argument(f"--{name}", type=type(value), default=None)
     a = p.parse_args(argv)
