@@ -46,13 +46,14 @@ def _perturbed(params, scale=0.05, seed=0):
 
 
 def _reference_logprobs(model, prompt, cont):
-    """log p(cont_j | prompt, cont_<j) by full-sequence scoring without a cache."""
-    from model.kv import NoCache
+    """log p(cont_j | prompt, cont_<j) by full-sequence scoring without a cache, padded to max_model_len tokens
+    (causal: the padding changes no row read) so that one jitted forward serves every pair; run unjitted, each
+    new length traced and compiled every op of the model again (seconds a length on a CPU)."""
+    from serving.engine.llm import _score
 
-    ids = jnp.asarray([list(prompt) + list(cont)])
-    t = ids.shape[1]
-    logits, _ = model(ids, jnp.arange(t)[None], None, NoCache(jnp.array([t])))
-    lp = np.asarray(jax.nn.log_softmax(logits[0], -1))
+    seq = list(prompt) + list(cont)
+    logits = _score(model, jnp.asarray([seq + [0] * (OPTS["max_model_len"] - len(seq))], jnp.int32))
+    lp = np.asarray(jax.nn.log_softmax(logits[0, : len(seq)], -1))
     return np.array([lp[len(prompt) - 1 + j, tok] for j, tok in enumerate(cont)])
 
 
