@@ -214,7 +214,9 @@ class SpecLoops:
     def proposer(self) -> NgramProposer | None:
         spec = self.spec
         ok = self.enabled and spec is not None and isinstance(spec.proposer, NgramProposer)
-        return spec.proposer if ok else None
+        # Several processes replay the leader's runner calls (sharding/multihost.py), which know no spec loop yet:
+        # there the host verify path runs.
+        return spec.proposer if ok and jax.process_count() == 1 else None
 
     @property
     def k(self) -> int:
