@@ -350,7 +350,7 @@ HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 def test_device_loop_on_gpu_kernels_matches_off():
     """The tiny model on the default kernels (CPU tests run the XLA reference; the interpreter of the Pallas kernel
     agreed by hand): greedy tokens of the device loop equal plain decoding's, with drafts accepted."""
-    options = dict(OPTIONS, attention_backend=None, max_num_seqs=4)
+    options = dict(OPTIONS, attention_backend=None, max_num_seqs=4, block_size=16, num_kv_blocks=64)
     engine = _always_drafting(
         LLMEngine(random_model(TINY, jnp.float32, seed=7), NullTokenizer(), EngineConfig.from_kwargs(**options))
     )
