@@ -154,6 +154,13 @@ def main():
         "--methods", default="off,ngram,self,draft", help="also: ngram_device, medusa (needs --medusa_heads)"
     )
     ap.add_argument("--random_weights", default=None, help="a ModelConfig preset: random bf16 weights of its shape")
+    ap.add_argument("--max_num_seqs", type=int, default=4, help="rows per step (batch-1 runs need 1: fewer buckets)")
+    ap.add_argument(
+        "--warmup",
+        choices=("engine", "pass"),
+        default="engine",
+        help="engine: compile every bucket first (the engine's warm-up); pass: only what the untimed pass meets",
+    )
     ap.add_argument("--out", default="benchmarks/results/spec_engine_cpu.json")
     ap.add_argument(
         "--trace_dir", default="", help="also profile each method's code requests once: GPU busy vs wall per pass"
@@ -162,10 +169,11 @@ def main():
 
     options = dict(
         max_model_len=1024,
-        max_num_seqs=4,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=256,
         num_kv_blocks=160,
         decode_steps=args.decode_steps,
+        warmup=None if args.warmup == "engine" else False,  # None: the engine's default (on for accelerators)
     )
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
