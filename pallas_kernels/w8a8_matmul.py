@@ -36,6 +36,15 @@ of 8 (Mosaic GPU's TileTransform.transform_gmem_shape raises otherwise): xq is p
 the swizzled epilogue's output, whose padding rows are sliced off (`out_rows`). N must be a multiple of
 2 * tile_n and K of tile_k (ValueError otherwise): the Llama-3-8B layer shapes are.
 
+fp8 accumulation. Hopper's e4m3 wgmma does not add into its f32 accumulator at full f32 precision (about 14 bits
+of the sum are kept; DeepSeek-V3 measured ~2% error at K = 4096, and this kernel gave 2.56% at M = K = N = 4096 on
+the H200 against 0.26% in the interpreter, whose dot is exact). As DeepSeek-V3 and CUTLASS's non-"fast accumulation"
+fp8 GEMMs do, the kernel promotes: the accumulator sums `promote_every_k` K columns (default 128: one pipeline step
+of 4 wgmma k32 instructions), then the compute warpgroup waits for its wgmmas, adds the accumulator into an f32
+register total carried through the K loop and resets it to zero; the epilogue adds the last partial span. It costs
+a full wgmma wait per span (no wgmma left in flight across that step) and the total's registers (hence
+MAX_PROMOTED_TILE). int8's s32 accumulation is exact and never promotes.
+
 Interpreter (CPU tests, backend="interpret"): jax 0.11.2's Mosaic GPU interpreter runs the kernel unchanged.
 """
 
@@ -63,6 +72,9 @@ ACT_MAX = {"fp8": 448.0, "int8": 127.0}
 # every quantiser (this one in XLA, pallas_kernels/act_quant.py in Triton or the interpreter) bit-identical.
 ACT_RECIP = {fmt: float(np.float32(1.0 / v)) for fmt, v in ACT_MAX.items()}
 DTYPES = {"fp8": jnp.dtype(jnp.float8_e4m3fn), "int8": jnp.dtype(jnp.int8)}
+# Largest [tile_m, tile_n] of a warpgroup with fp8 promotion: accumulator + total are 2 * tile_m * tile_n / 128 f32
+# registers a thread, 128 of the ~232 a compute thread gets beside the memory warpgroup (128 x 128 would need 256).
+MAX_PROMOTED_TILE = 64 * 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +96,12 @@ class W8A8Config:
             only the valid rows (grouped_matmul.store_rows), the path grouped_matmul runs on the H200.
         cluster_m: 2 runs CTAs in pairs on adjacent row blocks of the same columns, each weight tile loaded once
             from L2 and multicast to both SMEM rings (halves the weight's L2 -> SMEM traffic); 1: no clusters.
+        promote_every_k: fp8 only (int8 accumulates exactly in s32 and ignores it). K columns per promotion: the
+            wgmma sums run in the tensor core's accumulator for this many K columns, are added into a separate
+            f32 register total and the accumulator is reset (module docstring, "fp8 accumulation"). A multiple
+            of tile_k; 0 turns promotion off (one accumulator over all of K, ~2.6% error at K = 4096 on the H200).
+            The total doubles the accumulator registers, so fp8 with promotion needs tile_m * tile_n <=
+            MAX_PROMOTED_TILE (checked by w8a8_matmul; `for_shape(n, "fp8")` picks tile_m = 64).
 
     The defaults are the structure of grouped_matmul's measured best with the K tile doubled to 128 bytes; they
     are not yet tuned on a GPU for 8-bit (benchmarks/w8a8_matmul.py sweeps them).
@@ -99,6 +117,7 @@ class W8A8Config:
     grid_tile_width: int = 8
     swizzled_epilogue: bool = False
     cluster_m: int = 1
+    promote_every_k: int = 128
 
     def __post_init__(self):
         if self.tile_m not in (64, 128):
@@ -115,6 +134,11 @@ class W8A8Config:
             raise ValueError(f"W8A8Config.grid_tile_width must be >= 1, got {self.grid_tile_width}")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"W8A8Config.cluster_m must be 1 or 2, got {self.cluster_m}")
+        if self.promote_every_k < 0 or self.promote_every_k % self.tile_k:
+            raise ValueError(
+                f"W8A8Config.promote_every_k must be 0 (off) or a positive multiple of tile_k={self.tile_k}, "
+                f"got {self.promote_every_k}"
+            )
         if self.smem_bytes() > gm.SMEM_BYTES:
             raise ValueError(f"W8A8Config {self} needs {self.smem_bytes()} bytes of SMEM > {gm.SMEM_BYTES}")
 
@@ -122,15 +146,23 @@ class W8A8Config:
         ring = self.max_concurrent_steps * (self.tile_m + COMPUTE_WGS * self.tile_n) * self.tile_k  # 1 byte each
         return ring + out_itemsize * COMPUTE_WGS * self.tile_m * self.epi_n
 
+    def promotes(self, fmt: str) -> bool:
+        """Whether the kernel promotes partial sums for `fmt` (fp8 with promote_every_k > 0)."""
+        return fmt == "fp8" and self.promote_every_k > 0
+
     @classmethod
-    def for_shape(cls, n: int) -> W8A8Config:
-        """The default tiles for an output width n: the widest tile_n (128 or 64) with n % (2 * tile_n) == 0."""
-        return cls() if n % (COMPUTE_WGS * 128) == 0 else cls(tile_n=64)
+    def for_shape(cls, n: int, fmt: str) -> W8A8Config:
+        """The default tiles for an output width n: the widest tile_n (128 or 64) with n % (2 * tile_n) == 0; fp8
+        (promoted every 128 of K) takes tile_m = 64, so the f32 total fits beside the accumulator in registers."""
+        cfg = cls() if n % (COMPUTE_WGS * 128) == 0 else cls(tile_n=64)
+        if cfg.promotes(fmt) and cfg.tile_m * cfg.tile_n > MAX_PROMOTED_TILE:
+            cfg = dataclasses.replace(cfg, tile_m=64)
+        return cfg
 
 
 def supports(fmt: str, k: int, n: int) -> bool:
     """Whether the kernel takes an [M, k] @ [k, n] W8A8 matmul of format `fmt` with its default tiles."""
-    cfg = W8A8Config.for_shape(n)
+    cfg = W8A8Config.for_shape(n, fmt)
     return fmt in DTYPES and k % cfg.tile_k == 0 and n % (COMPUTE_WGS * cfg.tile_n) == 0
 
 
@@ -169,6 +201,8 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
     cta_n = COMPUTE_WGS * tn
     grid_m, grid_n = pl.cdiv(m, tm), n // cta_n
     acc_dtype = jnp.int32 if xq_gmem.dtype == jnp.int8 else jnp.float32
+    # fp8 promotion: K steps per promoted span (0: none; the accumulator sums all of K, as int8's exact s32 does)
+    span = cfg.promote_every_k // cfg.tile_k if acc_dtype == jnp.float32 else 0
     pairs_m = pl.cdiv(grid_m, cfg.cluster_m)  # row blocks of one cluster: cluster_m adjacent ones, same columns
     b_collective = ("cluster",) if cfg.cluster_m > 1 else ()
     pipeline = functools.partial(
@@ -209,8 +243,15 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), acc_dtype))
                 def _acc_scope(acc_ref):
-                    eval_pipeline(acc_ref)
-                    acc = acc_ref[...].astype(jnp.float32)  # int32 -> f32 rounds to 24 bits, far finer than bf16
+                    if span:  # the f32 total of the promoted spans rides in the K loop's carry, in registers
+                        zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
+                        total = eval_pipeline((acc_ref, zeros))[1]
+                        # span 1 sums each step in its own accumulator (acc_ref stays zero); a longer span leaves
+                        # its last partial span (or zeros, when the span divides the K steps) in acc_ref
+                        acc = total + acc_ref[...]
+                    else:
+                        eval_pipeline(acc_ref)
+                        acc = acc_ref[...].astype(jnp.float32)  # int32 -> f32 rounds to 24 bits, far finer than bf16
                     acc = acc * lax.broadcast_in_dim(xs, (tm, tn), [0]) * lax.broadcast_in_dim(ws, (tm, tn), [1])
                     out = acc.astype(out_gmem.dtype)
                     if cfg.swizzled_epilogue:
@@ -218,11 +259,37 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
                     else:
                         gm.store_rows(out_smem.at[wg], out_gmem, cfg, mi * tm, 0, rows, col, out)
 
-            def mma_body(_, a_smem, b_smem, acc_ref):
+            def mma_body(indices, a_smem, b_smem, carry):
                 # a_smem: [tile_m, tile_k]; b_smem: [2 * tile_n, tile_k] K-major, this warpgroup's half of its rows.
-                plgpu.wgmma(acc_ref, a_smem, b_smem.at[pl.ds(wg * tn, tn)].transpose((1, 0)))
-                plgpu.wgmma_wait(cfg.delay_release)
-                return acc_ref
+                # carry: acc_ref, or with promotion (acc_ref, total [tile_m, tile_n] f32 in the WGMMA layout).
+                b_half = b_smem.at[pl.ds(wg * tn, tn)].transpose((1, 0))
+                if not span:
+                    plgpu.wgmma(carry, a_smem, b_half)
+                    plgpu.wgmma_wait(cfg.delay_release)
+                    return carry
+                acc_ref, total = carry
+                if span == 1:  # every step is a span: a fresh accumulator per step, read back (wait_group 0)
+
+                    @functools.partial(pl.run_scoped, step_acc=plgpu.ACC((tm, tn), jnp.float32))
+                    def step_sum(step_acc):
+                        plgpu.wgmma(step_acc, a_smem, b_half)
+                        return step_acc[...]
+
+                    return acc_ref, total + step_sum
+
+                plgpu.wgmma(acc_ref, a_smem, b_half)
+
+                def promote(total):
+                    total = total + acc_ref[...]  # the read waits for every wgmma in flight (wait_group 0)
+                    acc_ref[...] = jnp.zeros((tm, tn), jnp.float32)  # the store fences before the next wgmma
+                    return total
+
+                def keep(total):
+                    plgpu.wgmma_wait(cfg.delay_release)
+                    return total
+
+                (kk,) = indices
+                return acc_ref, lax.cond((kk + 1) % span == 0, promote, keep, total)
 
             pipeline(mma_body, compute_context, mi, ni)(xq_gmem, wq_gmem, allocations=pipeline_allocs)
 
@@ -315,6 +382,12 @@ def _validate(xq, wq, x_scale, w_scale, wq_layout, out_dtype, cfg: W8A8Config):
         raise ValueError(f"w8a8_matmul: K={k} is not a multiple of config.tile_k={cfg.tile_k}")
     if n % (COMPUTE_WGS * cfg.tile_n):
         raise ValueError(f"w8a8_matmul: N={n} is not a multiple of 2 * config.tile_n={COMPUTE_WGS * cfg.tile_n}")
+    if xq.dtype == DTYPES["fp8"] and cfg.promotes("fp8") and cfg.tile_m * cfg.tile_n > MAX_PROMOTED_TILE:
+        raise ValueError(
+            f"w8a8_matmul: fp8 with config.promote_every_k={cfg.promote_every_k} keeps an f32 total beside the "
+            f"accumulator, which needs tile_m * tile_n <= {MAX_PROMOTED_TILE} (got {cfg.tile_m} x {cfg.tile_n}): "
+            "use tile_m=64 or tile_n=64, or promote_every_k=0"
+        )
 
 
 def w8a8_matmul(
@@ -337,12 +410,13 @@ def w8a8_matmul(
         w_scale: [1, N] or [N] per output channel, or [] / [1] per tensor.
         wq_layout: "kn" or "nk", as above.
         out_dtype: bfloat16 or float16.
-        config: tiles; default `W8A8Config.for_shape(N)`.
+        config: tiles and fp8 promotion; default `W8A8Config.for_shape(N, fmt)`.
         backend: None (Mosaic GPU on Hopper, else the XLA reference), "mosaic_gpu", "interpret" (the Mosaic GPU
             interpreter, for CPU tests) or "xla" (`reference`). There is no Triton version.
 
     Returns:
-        [M, N] in out_dtype (f32 accumulation for fp8, exact int32 for int8; scales applied in f32).
+        [M, N] in out_dtype (f32 accumulation for fp8, promoted every config.promote_every_k of K; exact int32
+        for int8; scales applied in f32).
 
     Raises:
         ValueError: shapes, dtypes or layouts that do not match, K or N not a multiple of the tiles, or an unusable
@@ -354,13 +428,20 @@ def w8a8_matmul(
         backend = "mosaic_gpu" if backend_lib.device_supports("mosaic_gpu") else "xla"
     backend = backend_lib.resolve_backend(backend, "w8a8_matmul")
     n = wq.shape[-1] if wq_layout == "kn" else wq.shape[0]
-    cfg = config or W8A8Config.for_shape(n)
+    fmt = "int8" if xq.dtype == DTYPES["int8"] else "fp8"
+    cfg = config or W8A8Config.for_shape(n, fmt)
     _validate(xq, wq, x_scale, w_scale, wq_layout, out_dtype, cfg)
     cfg = gm.one_step_safe(cfg, xq.shape[1])
     if backend == "xla":
         return reference(xq, wq, x_scale, w_scale, wq_layout=wq_layout, out_dtype=out_dtype)
     if xq.shape[0] == 0:
         return jnp.zeros((0, n), out_dtype)
+    if backend == "interpret" and cfg.promotes(fmt) and cfg.promote_every_k > cfg.tile_k:
+        # a span of several steps resets its accumulator by a register store, which jax 0.11.2's interpreter lacks
+        raise ValueError(
+            f"w8a8_matmul: backend 'interpret' takes fp8 config.promote_every_k of 0 or tile_k={cfg.tile_k} only, "
+            f"got {cfg.promote_every_k}"
+        )
     interpret = plgpu.InterpretGPUParams() if backend == "interpret" else None
     sms = INTERPRET_SMS if interpret is not None else gm.num_sms()
     return _w8a8_jit(
@@ -386,3 +467,14 @@ def reference(xq, wq, x_scale, w_scale, *, wq_layout: str = "kn", out_dtype=jnp.
     xs = jnp.asarray(x_scale, jnp.float32).reshape(-1, 1)
     ws = jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
     return (acc * xs * ws).astype(out_dtype)
+
+
+def exact_reference(xq, wq, x_scale, w_scale, *, wq_layout: str = "kn") -> jax.Array:
+    """The product in f32, never through an 8-bit dot: the f32 upcasts sit behind an optimization barrier, so XLA
+    on a GPU cannot fold them back into an fp8 cuBLASLt GEMM (which accumulates as the tensor core does and would
+    share the kernel's error); an f32 dot at HIGHEST, the scales, f32 out (no bf16 rounding). The oracle of the GPU
+    tests and of benchmarks/w8a8_matmul.py."""
+    w = (wq.T if wq_layout == "nk" else wq).astype(jnp.float32)
+    x, w = lax.optimization_barrier((xq.astype(jnp.float32), w))
+    acc = jnp.dot(x, w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return acc * jnp.asarray(x_scale, jnp.float32).reshape(-1, 1) * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
