@@ -241,17 +241,7 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
                 xs = plgpu.load(xs_gmem.at[pl.ds(mi * tm, tm)], layout=row_layout, optimized=False)
                 ws = plgpu.load(ws_gmem.at[pl.ds(col, tn)], layout=col_layout, optimized=False)
 
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), acc_dtype))
-                def _acc_scope(acc_ref):
-                    if span:  # the f32 total of the promoted spans rides in the K loop's carry, in registers
-                        zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
-                        total = eval_pipeline((acc_ref, zeros))[1]
-                        # span 1 sums each step in its own accumulator (acc_ref stays zero); a longer span leaves
-                        # its last partial span (or zeros, when the span divides the K steps) in acc_ref
-                        acc = total + acc_ref[...]
-                    else:
-                        eval_pipeline(acc_ref)
-                        acc = acc_ref[...].astype(jnp.float32)  # int32 -> f32 rounds to 24 bits, far finer than bf16
+                def epilogue(acc):  # acc: [tile_m, tile_n] f32 in the WGMMA layout
                     acc = acc * lax.broadcast_in_dim(xs, (tm, tn), [0]) * lax.broadcast_in_dim(ws, (tm, tn), [1])
                     out = acc.astype(out_gmem.dtype)
                     if cfg.swizzled_epilogue:
@@ -259,24 +249,39 @@ def _kernel(xq_gmem, wq_gmem, xs_gmem, ws_gmem, out_gmem, *, cfg: W8A8Config):
                     else:
                         gm.store_rows(out_smem.at[wg], out_gmem, cfg, mi * tm, 0, rows, col, out)
 
+                # With promotion the f32 total of the spans rides in the K loop's carry, in registers.
+                zeros = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA) if span else None
+                if span == 1:  # each step sums into its own accumulator (mma_body): no accumulator lives across K
+                    epilogue(eval_pipeline(zeros))
+                    return
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), acc_dtype))
+                def _acc_scope(acc_ref):
+                    if span:  # acc_ref holds the last partial span (zeros when the span divides the K steps)
+                        epilogue(eval_pipeline((acc_ref, zeros))[1] + acc_ref[...])
+                    else:
+                        eval_pipeline(acc_ref)
+                        epilogue(acc_ref[...].astype(jnp.float32))  # int32 -> f32 rounds to 24 bits (<< bf16's 8)
+
             def mma_body(indices, a_smem, b_smem, carry):
                 # a_smem: [tile_m, tile_k]; b_smem: [2 * tile_n, tile_k] K-major, this warpgroup's half of its rows.
-                # carry: acc_ref, or with promotion (acc_ref, total [tile_m, tile_n] f32 in the WGMMA layout).
+                # carry: acc_ref (no promotion); total [tile_m, tile_n] f32 in the WGMMA layout (span 1);
+                # (acc_ref, total) (spans of several steps).
                 b_half = b_smem.at[pl.ds(wg * tn, tn)].transpose((1, 0))
                 if not span:
                     plgpu.wgmma(carry, a_smem, b_half)
                     plgpu.wgmma_wait(cfg.delay_release)
                     return carry
-                acc_ref, total = carry
-                if span == 1:  # every step is a span: a fresh accumulator per step, read back (wait_group 0)
+                if span == 1:  # every step is a span: a fresh accumulator, read back (the read waits: wait_group 0)
 
                     @functools.partial(pl.run_scoped, step_acc=plgpu.ACC((tm, tn), jnp.float32))
                     def step_sum(step_acc):
                         plgpu.wgmma(step_acc, a_smem, b_half)
                         return step_acc[...]
 
-                    return acc_ref, total + step_sum
+                    return carry + step_sum
 
+                acc_ref, total = carry
                 plgpu.wgmma(acc_ref, a_smem, b_half)
 
                 def promote(total):

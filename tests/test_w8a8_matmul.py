@@ -157,6 +157,26 @@ class TestGpu(W8A8MatmulBase):
         # bf16 output rounding alone is ~0.2%; the unpromoted fp8 accumulation was ~2.6% at K = 4096
         assert _rel(out, wm.exact_reference(xq, wq, xs, ws)) < (5e-3 if fmt == "fp8" else 1e-2)
 
+    @pytest.mark.parametrize(
+        "m,k,cfg",
+        [
+            (
+                1000,
+                640,
+                wm.W8A8Config(tile_m=64, tile_k=64, max_concurrent_steps=6, promote_every_k=192),
+            ),  # 10 = 3+3+3+1
+            (4000, 4096, wm.W8A8Config(tile_m=64, promote_every_k=256, swizzled_epilogue=True)),  # 32 steps, span 2
+            (333, 640, wm.W8A8Config(tile_m=128, tile_n=64, promote_every_k=512, cluster_m=2)),  # 5 = 4+1
+        ],
+    )
+    def test_fp8_promotion_spans_of_several_steps(self, m, k, cfg):
+        """Spans of several K steps (accumulator reset by a register store under lax.cond, the last partial span
+        added in the epilogue): the path the interpreter cannot run."""
+        xq, wq, xs, ws, _ = _inputs("fp8", m, k, 512, seed=m + k)
+        out = wm.w8a8_matmul(xq, wq, xs, ws, config=cfg, backend="mosaic_gpu")
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+        assert _rel(out, wm.exact_reference(xq, wq, xs, ws)) < 5e-3
+
     def test_fp8_error_at_4096_default_config(self):
         """fp8 at M = K = N = 4096 with the default config (promotion every 128 of K) within 0.5% of the exact f32
         product. Written for the H200 (session 6; to be run there next session): without promotion the kernel gave
@@ -237,6 +257,15 @@ def test_config_validation():
             "fp8", 333, 1024, 512, wm.W8A8Config(tile_m=64, tile_k=64, promote_every_k=128), "m64n128k32", id="span2"
         ),
         pytest.param("fp8", 4096, 4096, 4096, wm.W8A8Config(tile_m=64, promote_every_k=256), "m64n128k32", id="k256"),
+        pytest.param(
+            "fp8",
+            333,
+            640,
+            512,
+            wm.W8A8Config(tile_m=128, tile_n=64, promote_every_k=512, cluster_m=2),
+            "m64n64k32",
+            id="span4_leftover_c2",
+        ),
         pytest.param("fp8", 4096, 4096, 4096, wm.W8A8Config(promote_every_k=0), "m64n128k32.f32", id="fp8_off"),
         pytest.param("int8", 4096, 14336, 4096, wm.W8A8Config(), "m64n128k32.s32.s8.s8", id="int8_llama_down"),
         pytest.param(
