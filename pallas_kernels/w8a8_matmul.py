@@ -3,7 +3,7 @@
     out [M, N] = (xq [M, K] @ wq [K, N]) * x_scale [M, 1] * w_scale [1, N]        (out in bf16 / f16)
 
 Two formats, one kernel:
-    fp8   xq, wq float8_e4m3fn; wgmma e4m3 x e4m3 with f32 accumulation
+    fp8   xq, wq float8_e4m3fn; wgmma e4m3 x e4m3 with f32 accumulation, promoted every 128 of K (below)
     int8  xq, wq int8 (SmoothQuant W8A8);  wgmma s8 x s8 with s32 accumulation (exact), cast to f32 in the epilogue
 
 Both are reachable from Pallas in jax 0.11.2: `plgpu.wgmma` takes 8-bit SMEM operands and a `plgpu.ACC` of int32
@@ -36,16 +36,19 @@ of 8 (Mosaic GPU's TileTransform.transform_gmem_shape raises otherwise): xq is p
 the swizzled epilogue's output, whose padding rows are sliced off (`out_rows`). N must be a multiple of
 2 * tile_n and K of tile_k (ValueError otherwise): the Llama-3-8B layer shapes are.
 
-fp8 accumulation. Hopper's e4m3 wgmma does not add into its f32 accumulator at full f32 precision (about 14 bits
-of the sum are kept; DeepSeek-V3 measured ~2% error at K = 4096, and this kernel gave 2.56% at M = K = N = 4096 on
-the H200 against 0.26% in the interpreter, whose dot is exact). As DeepSeek-V3 and CUTLASS's non-"fast accumulation"
-fp8 GEMMs do, the kernel promotes: the accumulator sums `promote_every_k` K columns (default 128: one pipeline step
-of 4 wgmma k32 instructions), then the compute warpgroup waits for its wgmmas, adds the accumulator into an f32
-register total carried through the K loop and resets it to zero; the epilogue adds the last partial span. It costs
-a full wgmma wait per span (no wgmma left in flight across that step) and the total's registers (hence
-MAX_PROMOTED_TILE). int8's s32 accumulation is exact and never promotes.
+fp8 accumulation. Hopper's e4m3 wgmma does not add into its f32 accumulator at full f32 precision (DeepSeek-V3
+reports about 14 bits kept and ~2% error at K = 4096; this kernel gave 2.56% at M = K = N = 4096 on the H200 against
+0.26% in the interpreter, whose dot is exact). As DeepSeek-V3 and CUTLASS's non-"fast accumulation" fp8 GEMMs do,
+the kernel promotes: the tensor core's accumulator sums `promote_every_k` K columns (default 128: one pipeline step
+of 4 wgmma k32 instructions), then the compute warpgroup waits for its wgmmas and adds the accumulator into an f32
+register total carried through the K loop. A span of one step sums each step into a fresh accumulator, read straight
+back; a longer span resets the one accumulator to zero (under lax.cond) and the epilogue adds its last partial
+span. It costs a full wgmma wait per span (no wgmma left in flight across that step) and the total's registers
+(hence MAX_PROMOTED_TILE). int8's s32 accumulation is exact and never promotes.
 
-Interpreter (CPU tests, backend="interpret"): jax 0.11.2's Mosaic GPU interpreter runs the kernel unchanged.
+Interpreter (CPU tests, backend="interpret"): jax 0.11.2's Mosaic GPU interpreter runs the kernel unchanged, except
+a promotion span of several steps, whose accumulator reset (a store into a wgmma accumulator) it cannot run
+(ValueError; the GPU tests and the cuda lowering test on CPU cover that path).
 """
 
 from __future__ import annotations
