@@ -50,9 +50,11 @@ GEMMA_TINY = ModelConfig.tiny(
 
 
 def _score(model, ids):
-    t = len(ids)
-    logits, _ = model(jnp.asarray([ids]), jnp.arange(t)[None], None, NoCache(jnp.asarray([t])))
-    return np.asarray(logits[0])
+    """Full-sequence logits [len(ids), V] through one jitted forward (unjitted, each model's first call compiled
+    every op of it separately)."""
+    from serving.engine.llm import _score as jitted_score
+
+    return np.asarray(jitted_score(model, jnp.asarray([ids], jnp.int32))[0])
 
 
 # Configs ------------------------------------------------------------------------------------------------------
