@@ -4,31 +4,30 @@
 compiled executables) is built once, not once per worker as `--dist load` does when it splits a file's tests.
 Files are then handed out in collection order; putting the heaviest first (longest-processing-time-first) keeps
 one of them from starting last and running alone while the other worker idles. The list holds the files that
-took over a minute each, heaviest first, measured on the shared 2-core host (2026-12-02, --durations); every
+took over a minute each, heaviest first, measured on the shared 2-core host (2026-12-02, --durations; the files
+whose tests were cut re-measured later that day on a quieter host, the others keep their first figure); every
 other file keeps its place after them. Order inside a file is never changed (test_server.py's drain test
 must stay last).
 """
 
 from __future__ import annotations
 
-HEAVY_FIRST = (  # serial seconds per file, one file at a time (before this session's cuts to some of them)
-    "test_engine.py",  # 321
-    "test_parallel_pipeline.py",  # 304
-    "test_parallel_multihost_binaries.py",  # 274
-    "test_server.py",  # 266
-    "test_spec_engine.py",  # 233
-    "test_parallel_engine.py",  # 204
-    "test_research.py",  # 167
-    "test_parallel_data.py",  # 135
-    "test_server_clients.py",  # 125
-    "test_parallel_moe_a2a.py",  # 107
-    "test_gemma3.py",  # 104
-    "test_structured.py",  # 93
-    "test_speculative.py",  # 92
-    "test_ragged_paged_attention.py",  # 82
-    "test_medusa.py",  # 82
-    "test_oracle.py",  # 68
-    "test_quant_engine.py",  # 67
+HEAVY_FIRST = (  # serial seconds per file, one at a time: benchmarks/results/test_durations_cpu_2026-12-02b.json
+    "test_spec_engine.py",  # 233 (2026-12-02 figure, not re-measured)
+    "test_engine.py",  # 227
+    "test_parallel_engine.py",  # 204 (2026-12-02 figure, not re-measured)
+    "test_server.py",  # 142
+    "test_parallel_pipeline.py",  # 128
+    "test_parallel_multihost_binaries.py",  # 106
+    "test_gemma3.py",  # 100
+    "test_structured.py",  # 92 (2026-12-02 figure, not re-measured)
+    "test_speculative.py",  # 92 (2026-12-02 figure, not re-measured)
+    "test_ragged_paged_attention.py",  # 82 (2026-12-02 figure, not re-measured)
+    "test_research.py",  # 77
+    "test_server_clients.py",  # 69
+    "test_oracle.py",  # 68 (2026-12-02 figure, not re-measured)
+    "test_quant_engine.py",  # 67 (2026-12-02 figure, not re-measured)
+    "test_parallel_data.py",  # 60
 )
 
 
