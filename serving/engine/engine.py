@@ -158,9 +158,10 @@ class LLMEngine:
         self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else (), progress=progress, widths=widths)
         one_process = jax.process_count() == 1  # several: logits reach `_sample` from the host (sharding/multihost)
         for s in self.runner.decode_buckets:  # what `_sample` passes: `_take_rows`'s placed [s, V], banned [s, 8]
-            logits = jax.numpy.zeros((s, self.vocab_size), jax.numpy.float32)
             if one_process:  # the jit keys on placement: as a step's rows come out of `_take_rows`
                 logits = _take_rows(self.runner.zero_logits(s), np.zeros(s, np.int32))
+            else:
+                logits = jax.numpy.zeros((s, self.vocab_size), jax.numpy.float32)
             banned = np.full((s, _MAX_BANNED), -1, np.int32)
             st = SamplingTensors.from_rows([{}] * s)
             jax.block_until_ready(sample_rows(logits, st, None, None, banned, num_logprobs=0))
