@@ -217,6 +217,8 @@ class SpeculativeConfig:
         if self.speculative_draft_layers and self.method != "self":
             raise ValueError("speculative_draft_layers needs speculative_method='self'")
         _check(isinstance(self.device_loop, bool), "speculative_device_loop", self.device_loop, "a bool")
+        if not self.device_loop and self.method != "ngram":  # only n-gram drafts on device: off would do nothing
+            raise ValueError("speculative_device_loop=False needs speculative_method='ngram'")
 
 
 @dataclasses.dataclass(frozen=True)

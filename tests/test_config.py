@@ -43,7 +43,6 @@ NON_DEFAULT = dict(
     decode_steps=4,
     async_scheduling=False,
     max_prefill_tokens_while_decoding=128,
-    speculative_device_loop=False,  # accepted alone: it only matters with speculative_method="ngram"
     attention_backend="xla",
     warmup=False,
     compilation_cache_dir="/tmp/xla-cache",
@@ -58,6 +57,7 @@ REFUSED = dict(
     expert_parallel_size=2,
     speculative_method="ngram",
     num_speculative_tokens=2,  # refused alone: it needs a method
+    speculative_device_loop=False,  # refused alone: it needs speculative_method="ngram"
     speculative_model="draft.gguf",  # refused alone: it needs method "draft"
     speculative_batch_threshold=4,  # refused alone: it needs a method
     speculative_draft_layers=4,  # refused alone: it needs method "self"
