@@ -1,7 +1,7 @@
-# Session 7, call 2 on one H200 (carry .gpu_carry/a, ~8 min): the fp8 W8A8 promotion and act_quant GPU tests and
-# benchmark (benchmarks/run_w8a8_promotion_gpu.sh, the tests of run_quant_leftovers_gpu.sh), then the 1,000 x
-# the ITL under load with the prefill cap at 256, then the 1,000 x (1,000 / 1,000) throughput run with fp8 weights (streaming layout) and fp8 KV, its whole log kept (call 1's run
-# printed nothing through its grep).
+# Session 7, call 2 on one H200 (carry .gpu_carry/a, ~9 min): the fp8 W8A8 promotion and act_quant GPU tests and
+# benchmark (benchmarks/run_w8a8_promotion_gpu.sh, the tests of run_quant_leftovers_gpu.sh); ITL under load with the
+# prefill cap at 256; then the 1,000 x (1,000 / 1,000) throughput run with fp8 weights (streaming layout) and fp8 KV,
+# its whole log kept (call 1's run printed nothing through its grep).
 #   run(command="bash benchmarks/run_session7_call2_gpu.sh", carry=[".gpu_carry/a"], timeout_s=590)
 set -x
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
