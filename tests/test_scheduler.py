@@ -370,6 +370,35 @@ def test_update_appends_several_tokens_and_stops_midway():
     s.check_invariants()
 
 
+def _first_stop_one_by_one(req, tokens, max_model_len):
+    """The rule token by token, as update() applied it before its one-pass _first_stop."""
+    p, n0, t0 = req.sampling_params, req.num_output_tokens, req.num_tokens
+    for j, token in enumerate(tokens):
+        n, t = n0 + j + 1, t0 + j + 1
+        if n >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)):
+            return j + 1, "stop"
+        if n >= p.max_tokens or t >= max_model_len:
+            return j + 1, "length"
+    return len(tokens), None
+
+
+def test_first_stop_matches_the_token_by_token_rule():
+    rng = random.Random(0)
+    s = make(max_model_len=24)
+    for _ in range(3000):
+        params = dict(
+            max_tokens=rng.randint(1, 12),
+            min_tokens=rng.randint(0, 6),
+            ignore_eos=rng.random() < 0.3,
+            stop_token_ids=tuple(rng.sample(range(3, 8), rng.randint(0, 2))),
+        )
+        params["min_tokens"] = min(params["min_tokens"], params["max_tokens"])
+        r = req("a", rng.randint(1, 8), **params)
+        r.extend_output([rng.randint(10, 12) for _ in range(rng.randint(0, params["max_tokens"] - 1))])
+        tokens = [rng.choice([EOS, 3, 4, 5, 6, 7, 11]) for _ in range(rng.randint(0, 9))]
+        assert s._first_stop(r, tokens) == _first_stop_one_by_one(r, tokens, 24), (params, r.output_token_ids, tokens)
+
+
 def test_update_rejects_missing_or_misplaced_tokens():
     s = make(budget=2)
     s.add_request(req("a", 4))

@@ -300,6 +300,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def extend_output(self, token_ids: Sequence[int], logprobs: Sequence[Any] | None = None) -> None:
+        """Appends generated tokens (and their logprob entries when given)."""
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        if logprobs:
+            self.output_logprobs.extend(logprobs)
+
     def append_output(self, token_id: int, logprob: Any = None) -> None:
         """Appends one generated token (and its logprob entry when given)."""
         self.output_token_ids.append(token_id)
