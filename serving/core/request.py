@@ -300,6 +300,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def stop_ids(self) -> set[int]:
+        """Token ids that end generation (once min_tokens is reached): stop_token_ids, and EOS unless ignore_eos."""
+        p = self.sampling_params
+        return set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_token_ids)
+
     def extend_output(self, token_ids: Sequence[int], logprobs: Sequence[Any] | None = None) -> None:
         """Appends generated tokens (and their logprob entries when given)."""
         self.output_token_ids.extend(token_ids)

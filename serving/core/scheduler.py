@@ -459,9 +459,7 @@ class Scheduler:
         params = req.sampling_params
         n0, t0 = req.num_output_tokens, req.num_tokens
         last = min(params.max_tokens - n0, self.max_model_len - t0)  # a length stop keeps `last` tokens
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(req.eos_token_ids)
+        stops = req.stop_ids()
         if stops and not stops.isdisjoint(tokens):
             for j in range(max(params.min_tokens - n0 - 1, 0), min(max(last, 1), len(tokens))):
                 if tokens[j] in stops:

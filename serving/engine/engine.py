@@ -313,7 +313,8 @@ class LLMEngine:
             new_ids = req.output_token_ids[len(track.detok.ids) :]
             if track.first_token_time is None:
                 track.first_token_time = now
-            track.text += track.detok.add([t for t in new_ids if not self._is_stop_token(req, t)])
+            stops = req.stop_ids()
+            track.text += track.detok.add([t for t in new_ids if t not in stops])
             reason = req.finish_reason if rid in done or req.is_finished else None  # is_finished: dead end
             verdict = self.structured.advance(req, new_ids) if reason is None else None
             if verdict is not None:  # the grammar is complete ('stop') or refused a token (a message)
@@ -340,10 +341,6 @@ class LLMEngine:
                 track.finish_time = now
                 self._finished[rid] = self._tracks.pop(rid)
         return results
-
-    def _is_stop_token(self, req: Request, token: int) -> bool:
-        p = req.sampling_params
-        return token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)
 
     def pop_finished(self, request_id: str) -> _Track | None:
         return self._finished.pop(request_id, None)

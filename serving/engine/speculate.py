@@ -265,8 +265,9 @@ class SpecDecoder:
         detok = copy.copy(track.detok)
         detok.ids = list(track.detok.ids)
         text = track.text
+        stop_ids = req.stop_ids()
         for j, t in enumerate(emitted):
-            if not self._engine._is_stop_token(req, t):
+            if t not in stop_ids:
                 text += detok.add([t])
             if any(s and s in text for s in stops):
                 return emitted[: j + 1]
