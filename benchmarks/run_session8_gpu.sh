@@ -11,5 +11,6 @@ K="--k 4 --max_tokens 128 --methods off,ngram,ngram_device --max_num_seqs 1 --wa
 timeout 150 python3 benchmarks/spec_engine.py --prompt_chars 1500 $K --prompts_per_domain 2 \
   --out $OUT/spec_loop_h200_smollm2_real.json > $OUT/spec_smol.log 2>&1
 echo "spec rc=$?"; grep -v "^WARNING\|Warn" $OUT/spec_smol.log | tail -30
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rs -n 4 tests/test_engine_gpu.py > $OUT/engine_gpu.log 2>&1
+timeout 200 env -u XLA_PYTHON_CLIENT_MEM_FRACTION XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs -n 4 tests/test_engine_gpu.py > $OUT/engine_gpu.log 2>&1
 echo "engine rc=$?"; tail -15 $OUT/engine_gpu.log
