@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import platform
 import subprocess
 import time
@@ -84,8 +85,23 @@ def _decoders(llm: LLM, args) -> dict:
     return out
 
 
+class _CompileCounter(logging.Handler):
+    """Counts XLA compilations (jax_log_compiles' "Finished XLA compilation" records): a timed pass must have none."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "Finished XLA compilation" in record.getMessage()
+
+
+COMPILES = _CompileCounter()
+
+
 def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int, device_loop: bool = False) -> dict:
     engine = llm.engine
+    compiles = COMPILES.count
     engine.spec = spec
     engine.spec_loops.enabled = device_loop  # n-gram inside the on-device loop, or one host round trip per pass
     loops = engine.spec_loops.num_loops
@@ -98,6 +114,7 @@ def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int, device_loop:
         outs.append(list(o.token_ids))
     row = dict(decode_tokens=tokens, decode_s=round(seconds, 3), tokens_per_s=round(tokens / seconds, 2), outputs=outs)
     row["device_spec_loops"] = engine.spec_loops.num_loops - loops
+    row["compiles"] = COMPILES.count - compiles  # in this pass (the timed one should show 0)
     if spec is not None:
         after = spec.counters.as_dict()
         d = {key: after[key] - before[key] for key in ("passes", "drafted", "accepted", "emitted")}
@@ -166,6 +183,13 @@ def main():
         "--trace_dir", default="", help="also profile each method's code requests once: GPU busy vs wall per pass"
     )
     args = ap.parse_args()
+    import jax
+
+    jax.config.update("jax_log_compiles", True)  # counted per pass (COMPILES), not printed
+    for name in ("jax._src.dispatch", "jax._src.interpreters.pxla"):
+        logger = logging.getLogger(name)
+        logger.addHandler(COMPILES)
+        logger.propagate = False
 
     options = dict(
         max_model_len=1024,
@@ -241,6 +265,7 @@ def main():
                             "mean_emitted_per_pass",
                             "identical_to_off",
                             "device_spec_loops",
+                            "compiles",
                         )
                     }
                     for d, r in per.items()

@@ -70,9 +70,11 @@ def main():
     )
     engine = LLMEngine(model, NullTokenizer(), config)
     engine_s = time.perf_counter() - t0
+    print(f"throughput: model {init_s:.1f} s, engine (quantise, KV pool) {engine_s:.1f} s; warming up", flush=True)
     t0 = time.perf_counter()
     engine.warmup()  # every step bucket, the decode loop and the sampler, timed apart from the run
     warmup_s = time.perf_counter() - t0
+    print(f"throughput: warm-up {warmup_s:.1f} s; running", flush=True)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
