@@ -81,6 +81,7 @@ class QuantizedKVNoCache(kv.NoCache):
 
     def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None):
         dtype = KV_DTYPES[self.kv_dtype]
+        q, k = kv.rotate_for_kv(q, k, dtype)  # as PagedMeta does before it quantises K
 
         def roundtrip(x):
             codes, scales = kv.quantize_kv(x[0], dtype)

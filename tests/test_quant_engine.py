@@ -281,16 +281,19 @@ def test_int4_group_and_bad_options():
         quantize_model(random_model(CFG, jnp.float32), "int4_awq", None, calibration_file="/nonexistent")
 
 
-def test_quality_benchmark_kv_numerics_match_the_engine(int8_llm):
-    """benchmarks/quant_quality.py scores kv_int8 with QuantizedKVNoCache: the engine's int8-KV log-probs."""
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_quality_benchmark_kv_numerics_match_the_engine(int8_llm, name):
+    """benchmarks/quant_quality.py scores kv_int8 / kv_fp8 with QuantizedKVNoCache: the engine's quantised-KV
+    log-probs (fp8: K in the Hadamard basis on both sides)."""
     from benchmarks.quant_quality import forward
 
     prompt = PROMPTS[1]
-    out = int8_llm.generate([prompt], max_tokens=8, logprobs=0)[0]
+    llm = int8_llm if name == "int8" else _llm(kv_cache_dtype="fp8", num_kv_blocks=24)
+    out = llm.generate([prompt], max_tokens=8, logprobs=0)[0]
     seq = np.asarray([prompt + out.token_ids], np.int32)
     model = random_model(CFG, jnp.float32, seed=3)
     n = len(prompt)
-    for kv_dtype, tol in (("int8", 2e-4), (None, None)):
+    for kv_dtype, tol in ((name, 2e-4), (None, None)):
         lp = np.asarray(jax.nn.log_softmax(forward(model, seq, kv_dtype)[0], axis=-1))
         got = lp[np.arange(n - 1, seq.shape[1] - 1), seq[0, n:]]
         err = np.abs(got - np.asarray(out.logprobs)).max()
@@ -337,3 +340,34 @@ def test_tensor_parallel_int8_kv_matches_one_device():
         [sys.executable, "-c", TP_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_fp8_kv_hadamard_rotation_is_exact_and_cuts_the_error():
+    """model/kv.py rotate_for_kv: q . k is unchanged by the rotation; on K with a few large channels of one sign
+    (what K looks like) the rotated fp8 codes give a smaller error of q . k than codes of K itself; int8 pages and
+    a head_dim that is not a power of two are left unrotated."""
+    from model.kv import quantize_kv, rotate_for_kv
+
+    rng = np.random.default_rng(0)
+    t, h, hd = 256, 2, 64
+    k = rng.normal(size=(t, h, hd)).astype(np.float32)
+    k[..., [3, 17]] += 12.0  # two outlier channels
+    q = rng.normal(size=(t, h, hd)).astype(np.float32)
+    q[..., [3, 17]] *= 4.0
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    qr, kr = rotate_for_kv(q, k, jnp.float8_e4m3fn)
+    exact = jnp.einsum("thd,shd->hts", q, k)
+    np.testing.assert_allclose(jnp.einsum("thd,shd->hts", qr, kr), exact, rtol=1e-5, atol=1e-3)
+
+    def error(qq, kk):
+        codes, scales = quantize_kv(kk, jnp.float8_e4m3fn)
+        return float(
+            jnp.sqrt(
+                jnp.mean((jnp.einsum("thd,shd->hts", qq, codes.astype(jnp.float32) * scales[..., None]) - exact) ** 2)
+            )
+        )
+
+    assert error(qr, kr) < 0.7 * error(q, k)
+    for dtype, kk in ((jnp.int8, k), (jnp.float8_e4m3fn, k[..., :48])):
+        qq, ko = rotate_for_kv(q[..., : kk.shape[-1]], kk, dtype)
+        assert ko is kk and qq.shape == kk.shape
