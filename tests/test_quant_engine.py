@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig
-from model.kv import PagedMeta, init_paged_cache, quantize_kv
+from model.kv import PagedMeta, init_paged_cache, quantize_kv, rotate_for_kv
 from model.quant import QuantizedArray
 from model.transformer import _param_slots, model_params, random_model
 from serving.config import QUANTIZATIONS, EngineConfig
@@ -86,7 +86,8 @@ def test_paged_attend_quantised_matches_float(name, backend):
     tol = 0.02 if name == "int8" else 0.08
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=tol)
     k_scales = np.asarray(new[2]).reshape(hkv, -1)
-    want = np.max(np.abs(np.asarray(k[0])), axis=-1).T / (127.0 if name == "int8" else 448.0)
+    _, k_stored = rotate_for_kv(q, k, KV_DTYPES[name])  # fp8 pages hold H k (the scale is of what is stored)
+    want = np.max(np.abs(np.asarray(k_stored[0])), axis=-1).T / (127.0 if name == "int8" else 448.0)
     np.testing.assert_allclose(k_scales[:, 4 : 4 + t], want, rtol=1e-6)
     untouched = np.ones(k_scales.shape, bool)
     untouched[:, 4 : 4 + t] = False
@@ -108,7 +109,9 @@ def test_paged_attend_quantised_matches_float(name, backend):
     out1, new1 = step.attend(q1, k1, v1, None, new)
     np.testing.assert_allclose(np.asarray(out1), np.asarray(ref1), atol=tol)
     assert float(np.asarray(new1[2]).reshape(hkv, -1)[0, 4 + t]) == pytest.approx(
-        float(jnp.max(jnp.abs(k1[0, 0, 0]))) / (127.0 if name == "int8" else 448.0), rel=1e-6
+        float(jnp.max(jnp.abs(rotate_for_kv(q1, k1, KV_DTYPES[name])[1][0, 0, 0])))
+        / (127.0 if name == "int8" else 448.0),
+        rel=1e-6,
     )
 
 
@@ -346,7 +349,6 @@ def test_fp8_kv_hadamard_rotation_is_exact_and_cuts_the_error():
     """model/kv.py rotate_for_kv: q . k is unchanged by the rotation; on K with a few large channels of one sign
     (what K looks like) the rotated fp8 codes give a smaller error of q . k than codes of K itself; int8 pages and
     a head_dim that is not a power of two are left unrotated."""
-    from model.kv import quantize_kv, rotate_for_kv
 
     rng = np.random.default_rng(0)
     t, h, hd = 256, 2, 64
