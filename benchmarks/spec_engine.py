@@ -171,6 +171,7 @@ def main():
         "--methods", default="off,ngram,self,draft", help="also: ngram_device, medusa (needs --medusa_heads)"
     )
     ap.add_argument("--random_weights", default=None, help="a ModelConfig preset: random bf16 weights of its shape")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: the engine's, float32)")
     ap.add_argument("--max_num_seqs", type=int, default=4, help="rows per step (batch-1 runs need 1: fewer buckets)")
     ap.add_argument(
         "--warmup",
@@ -201,6 +202,8 @@ def main():
     )
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
+    if args.dtype:
+        options["dtype"] = args.dtype
     spec_options = dict(speculative_method="ngram", num_speculative_tokens=args.k)
     if args.random_weights:
         import jax.numpy as jnp
@@ -210,7 +213,7 @@ def main():
 
         cfg = ModelConfig.preset(args.random_weights)
         model = random_model(cfg, jnp.bfloat16, seed=0)
-        llm = LLM.from_model(model, None, copy=False, dtype="bfloat16", **spec_options, **options)
+        llm = LLM.from_model(model, None, copy=False, **({"dtype": "bfloat16"} | options), **spec_options)
         domains = _id_prompts(cfg.vocab_size, args.prompts_per_domain)
     else:
         llm = LLM(args.model, **spec_options, **options)
