@@ -183,13 +183,10 @@ def quantize_activations(x: jax.Array, fmt: str, act_scale: jax.Array | None = N
         scale = jnp.where(amax > 0, amax * ACT_RECIP[fmt], 1.0)
     else:
         scale = jnp.broadcast_to(jnp.asarray(act_scale, jnp.float32), (*x.shape[:-1], 1))
-    # x times the f32 reciprocal of its row's scale, not x / scale: XLA's GPU simplifier may turn a divide by a
-    # broadcast into that multiply anyway, so the multiply is the one rule every backend (and act_quant) computes.
-    v = x32 * (1.0 / scale)
     if fmt == "int8":
-        q = jnp.clip(jnp.round(v), -127, 127).astype(jnp.int8)
+        q = jnp.clip(jnp.round(x32 / scale), -127, 127).astype(jnp.int8)
     else:
-        q = jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+        q = jnp.clip(x32 / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
     return q, scale
 
 
