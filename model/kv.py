@@ -237,7 +237,7 @@ def rotate_for_kv(q: jax.Array, k: jax.Array, dtype) -> tuple[jax.Array, jax.Arr
     layer comes through here rotated the same way (prefix-cached and copy-on-write pages too: H is fixed). Why:
     e4m3 keeps 3 mantissa bits, so its error is relative to each element, and K's few large channels (whose
     products with q's matching channels dominate q . k) carried most of it; H spreads every channel over all hd
-    of them. SmolLM2 prose: KV fp8 perplexity +1.19% -> +0.73%, KL 0.0089 -> 0.0062 (BENCHMARKS.md). int8 (an
+    of them. SmolLM2 prose: KV fp8 perplexity +1.19% -> +0.43%, KL 0.0089 -> 0.0063 (BENCHMARKS.md). int8 (an
     absolute error of amax / 254) is left as it is, and V's error was ~10x smaller (no rotation).
     """
     hd = k.shape[-1]
