@@ -212,8 +212,9 @@ def main():
         from model.transformer import random_model
 
         cfg = ModelConfig.preset(args.random_weights)
-        model = random_model(cfg, jnp.bfloat16, seed=0)
-        llm = LLM.from_model(model, None, copy=False, **({"dtype": "bfloat16"} | options), **spec_options)
+        options["dtype"] = args.dtype or "bfloat16"
+        model = random_model(cfg, jnp.dtype(options["dtype"]), seed=0)
+        llm = LLM.from_model(model, None, copy=False, **options, **spec_options)
         domains = _id_prompts(cfg.vocab_size, args.prompts_per_domain)
     else:
         llm = LLM(args.model, **spec_options, **options)
