@@ -122,7 +122,14 @@ def fake_quantize_activations(x: jax.Array, act_fmt: str, act_scale: jax.Array |
     from pallas_kernels.w8a8_matmul import quantize_activations  # the W8A8 kernel's own quantiser: one rounding rule
 
     q, scale = quantize_activations(x, act_fmt, act_scale)
-    return (q.astype(jnp.float32) * scale).astype(x.dtype)
+    return (codes_barrier(q).astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def codes_barrier(codes: jax.Array) -> jax.Array:
+    """8-bit codes XLA must keep: on the GPU it elides a convert f32 -> e4m3 -> f32 inside one jit (excess
+    precision; measured on the H200, session 9: the round trip returned x unchanged), so every quantise-dequantise
+    round trip (fake quantisation, scale searches, GPTQ's fp8 rounding) passes its codes through this barrier."""
+    return jax.lax.optimization_barrier(codes)
 
 
 def _prepare_input(x: jax.Array, w: QuantizedArray) -> jax.Array:
@@ -138,9 +145,9 @@ def reference_matmul(x: jax.Array, w: QuantizedArray) -> jax.Array:
     if w.act_fmt:
         x = _prepare_input(x, w)
         w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)
-    # The f32 operands behind a barrier (as w8a8_matmul.exact_reference): on a GPU XLA may otherwise fold the fp8
-    # converts and scales back into a cuBLASLt fp8 GEMM and the oracle would share its accumulation error (the
-    # suspected cause of session 9's 2.56% between the fp8 kernel path and this oracle on the H200).
+    # The f32 operands behind a barrier (as w8a8_matmul.exact_reference): XLA on a GPU may otherwise fold the
+    # converts and scales into an 8-bit GEMM whose accumulation the oracle would share (x was already rounded by
+    # fake_quantize_activations' codes_barrier: without it the H200 elided the e4m3 round trip, session 9).
     x32, wd = jax.lax.optimization_barrier((x.astype(jnp.float32), w.dequantize(jnp.float32)))
     return jnp.einsum("...k,kn->...n", x32, wd, precision="highest").astype(x.dtype)
 

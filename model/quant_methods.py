@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from model.quant import ACT_MAX, QuantizedArray
+from model.quant import ACT_MAX, QuantizedArray, codes_barrier
 
 TINY = 1e-8
 FP8_MAX = 448.0
@@ -153,7 +153,7 @@ FP8_SCALE_STEPS = 32  # candidate scales per octave
 
 
 def _fp8_roundtrip(w, scale):
-    return jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    return codes_barrier(jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)).astype(jnp.float32) * scale
 
 
 @functools.partial(jax.jit, static_argnames=("steps",))
@@ -279,7 +279,8 @@ def _gptq_block(wb, ub, fixed_scales, *, fmt, group_size, asymmetric, zero_point
             code = jnp.clip(jnp.round(w_cur[i] / fixed_scales), -127, 127)
             deq = code * fixed_scales
         else:  # fp8: e4m3 rounding of the compensated row (the error is then relative, not uniform)
-            code = jnp.clip(w_cur[i] / fixed_scales, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+            code = jnp.clip(w_cur[i] / fixed_scales, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+            code = codes_barrier(code).astype(jnp.float32)  # XLA on a GPU would elide the e4m3 round trip
             deq = code * fixed_scales
         err = (w_cur[i] - deq) / ub[i, i]  # [N]
         later = (jnp.arange(rows) > i)[:, None]

@@ -375,3 +375,25 @@ def test_quant_matmul_prefill_on_gpu(method):
     assert quant.use_w8a8_kernel(q, 2100, x.dtype, x.dtype)
     out = jax.jit(quant.matmul)(x, q)
     assert _rel(out, quant.reference_matmul(x, q)) < 2e-2
+
+
+def test_fake_quantized_fp8_activations_are_rounded_inside_jit():
+    """model.quant.fake_quantize_activations under jit gives the e4m3 values (numpy's rounding of x / scale, times
+    the scale), not x: XLA on the H200 elided a convert f32 -> e4m3 -> f32 inside one jit (session 9), which made the
+    fake-quantised path and quant.reference_matmul unquantised there; the codes now pass a barrier. Runs on every
+    backend (the GPU is where it once failed)."""
+    from model import quant  # noqa: PLC0415
+    from model import quant_methods as qm  # noqa: PLC0415
+
+    x = jax.random.normal(jax.random.key(5), (16, 256), jnp.float32)
+    got = np.asarray(jax.jit(lambda a: quant.fake_quantize_activations(a, "fp8", None))(x))
+    scale = np.max(np.abs(np.asarray(x)), axis=-1, keepdims=True) * np.float32(1 / 448.0)
+    want = (np.asarray(x) / scale).astype(jnp.float8_e4m3fn).astype(np.float32) * scale
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.abs(got - np.asarray(x)).max() > 1e-3  # rounded, not passed through
+    w = jax.random.normal(jax.random.key(6), (64, 32), jnp.float32)
+    s = jnp.max(jnp.abs(w), axis=0) / 448.0
+    rt = np.asarray(jax.jit(qm._fp8_roundtrip)(w, s))
+    np.testing.assert_allclose(
+        rt, np.asarray(w / s).astype(jnp.float8_e4m3fn).astype(np.float32) * np.asarray(s), rtol=1e-6
+    )
