@@ -171,7 +171,12 @@ def main():
         "--methods", default="off,ngram,self,draft", help="also: ngram_device, medusa (needs --medusa_heads)"
     )
     ap.add_argument("--random_weights", default=None, help="a ModelConfig preset: random bf16 weights of its shape")
-    ap.add_argument("--dtype", default=None, help="model dtype (default: the engine's, float32)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="model dtype (default: bfloat16 on an accelerator, the engine's float32 on CPU: in f32 on the H200 a "
+        "verify row's ragged-kernel tile made speculation 3x slower than off, BENCHMARKS.md session 9)",
+    )
     ap.add_argument("--max_num_seqs", type=int, default=4, help="rows per step (batch-1 runs need 1: fewer buckets)")
     ap.add_argument(
         "--warmup",
@@ -202,6 +207,8 @@ def main():
     )
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
+    if args.dtype is None and jax.default_backend() != "cpu":
+        args.dtype = "bfloat16"
     if args.dtype:
         options["dtype"] = args.dtype
     spec_options = dict(speculative_method="ngram", num_speculative_tokens=args.k)
