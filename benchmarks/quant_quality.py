@@ -85,7 +85,7 @@ class QuantizedKVNoCache(kv.NoCache):
 
         def roundtrip(x):
             codes, scales = kv.quantize_kv(x[0], dtype)
-            return (codes.astype(jnp.float32) * scales[..., None])[None].astype(x.dtype)
+            return (quant.codes_barrier(codes).astype(jnp.float32) * scales[..., None])[None].astype(x.dtype)
 
         return super().attend(q, roundtrip(k), roundtrip(v), positions, cache, window=window, sm_scale=sm_scale)
 

@@ -170,12 +170,13 @@ def main():
     ap.add_argument(
         "--methods", default="off,ngram,self,draft", help="also: ngram_device, medusa (needs --medusa_heads)"
     )
-    ap.add_argument("--random_weights", default=None, help="a ModelConfig preset: random bf16 weights of its shape")
+    ap.add_argument("--random_weights", default=None, help="a ModelConfig preset: random weights of its shape")
     ap.add_argument(
         "--dtype",
         default=None,
-        help="model dtype (default: bfloat16 on an accelerator, the engine's float32 on CPU: in f32 on the H200 a "
-        "verify row's ragged-kernel tile made speculation 3x slower than off, BENCHMARKS.md session 9)",
+        help="model dtype (default: bfloat16 on an accelerator or with --random_weights, else the engine's float32: "
+        "in f32 on the H200 a verify row's ragged-kernel tile made speculation 3x slower than off, BENCHMARKS.md "
+        "session 9)",
     )
     ap.add_argument("--max_num_seqs", type=int, default=4, help="rows per step (batch-1 runs need 1: fewer buckets)")
     ap.add_argument(
@@ -207,7 +208,7 @@ def main():
     )
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
-    if args.dtype is None and jax.default_backend() != "cpu":
+    if args.dtype is None and (args.random_weights or jax.default_backend() != "cpu"):
         args.dtype = "bfloat16"
     if args.dtype:
         options["dtype"] = args.dtype
@@ -219,8 +220,7 @@ def main():
         from model.transformer import random_model
 
         cfg = ModelConfig.preset(args.random_weights)
-        options["dtype"] = args.dtype or "bfloat16"
-        model = random_model(cfg, jnp.dtype(options["dtype"]), seed=0)
+        model = random_model(cfg, jnp.dtype(args.dtype), seed=0)
         llm = LLM.from_model(model, None, copy=False, **options, **spec_options)
         domains = _id_prompts(cfg.vocab_size, args.prompts_per_domain)
     else:

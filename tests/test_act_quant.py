@@ -3,7 +3,7 @@
 `TestInterpreted` runs the Pallas kernel in the interpreter on CPU at shapes that break the power-of-two tiles
 (K = 100, 513, 14336; M not a multiple of the row block), with all-zero rows, SmoothQuant's pre-scale and a static
 scale: codes and scales must equal the reference exactly. `TestGpu` runs it through Triton on a GPU: scales
-exact, codes exact except at rounding boundaries (the reference's reciprocal is XLA's expression there; see
+exact, codes exact except at rounding boundaries (XLA may rewrite the reference's divide there; see
 `_assert_codes_equal_but_at_boundaries`).
 """
 
@@ -88,8 +88,8 @@ class TestGpu(ActQuantBase):
 def _assert_codes_equal_but_at_boundaries(x, s, q, qr, fmt, rel: float = 2.0**-18):
     """Kernel codes q equal the reference's qr except where the exact quotient v = x / s (float64) lies within
     `rel` (relative) of a rounding boundary, and there q must be one of the two neighbouring codes. On the GPU
-    XLA may compute the reference's f32 reciprocal of the scale through a different (reassociated) expression,
-    which moves v by a few ulps: the kernel is right to the rule up to that, and anything else fails here."""
+    XLA may rewrite the reference's x / scale (into a multiply by a reciprocal, for one), which moves v by a few
+    ulps: the kernel is right to the rule up to that, and anything else fails here."""
     v = np.asarray(x, np.float64) / np.asarray(s, np.float64)
     if fmt == "int8":
         enc = lambda a: np.clip(np.round(a), -127, 127)  # noqa: E731
