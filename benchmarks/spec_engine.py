@@ -9,7 +9,8 @@ KV), `draft` (a separate draft model with its own paged KV: the target's first -
 --draft_model, a checkpoint path, e.g. SmolLM2 itself for the acceptance ceiling), `medusa` (trained heads on the
 target's last hidden state, --medusa_heads: a checkpoint dir from serving/train_heads.py; --k <= its heads). `ngram` is the
 host path (one host round trip per verify pass); `ngram_device` drafts, verifies and accepts inside the on-device
-decode loop (serving/engine/spec_loop.py, the engine's default for n-gram). Prompts are the Lab 02 ones
+decode loop (serving/engine/spec_loop.py, the engine's default for n-gram), and `medusa_device` does the same
+with the heads (the engine's default for medusa). Prompts are the Lab 02 ones
 (benchmarks/spec_acceptance.py: stdlib code, licence prose, copy-heavy chat turns). Requests run one at a time
 (batch 1); every method runs all its requests twice and the second pass is timed (the first compiles). Reported per method and domain:
 decode tokens/s (generated tokens after the first / time from first to last token), speedup over `off`,
@@ -52,18 +53,15 @@ def _decoders(llm: LLM, args) -> dict:
         policy = SpecPolicy(policy_config(k, 0))
         return SpecDecoder(engine, proposer, k, policy, _sampling_tensors, _logprob_entry)
 
-    self_spec = dataclasses.replace(spec, method="self", speculative_draft_layers=args.self_layers)
-    if not {"self", "draft"} & set(args.methods.split(",")):
-        draft = None
-    elif args.draft_model:
-        draft = make_model_proposer(
-            "draft",
-            r,
-            model,
-            dataclasses.replace(spec, method="draft", speculative_model=args.draft_model),
-            model.dtype,
-        )
-    else:
+    methods = set(args.methods.split(","))
+    out = dict(off=None, ngram=engine.spec, ngram_device=engine.spec)
+    if "self" in methods:
+        self_spec = dataclasses.replace(spec, method="self", speculative_draft_layers=args.self_layers)
+        out["self"] = decoder(make_model_proposer("self", r, model, self_spec, model.dtype))
+    if "draft" in methods and args.draft_model:
+        draft_spec = dataclasses.replace(spec, method="draft", speculative_model=args.draft_model)
+        out["draft"] = decoder(make_model_proposer("draft", r, model, draft_spec, model.dtype))
+    elif "draft" in methods:
         copy = ModelRunner(
             truncated_model(model, args.draft_layers),
             num_blocks=r.num_blocks,
@@ -73,15 +71,17 @@ def _decoders(llm: LLM, args) -> dict:
             max_model_len=r.max_blocks * r.block_size,
             attention_backend=r.backend,
         )
-        draft = ModelDraftProposer(copy, "draft")
-    out = dict(off=None, ngram=engine.spec, ngram_device=engine.spec)
-    if not {"self", "draft"} & set(args.methods.split(",")):
-        return out
-    out |= dict(self=decoder(make_model_proposer("self", r, model, self_spec, model.dtype)), draft=decoder(draft))
-    if args.medusa_heads:
+        out["draft"] = decoder(ModelDraftProposer(copy, "draft"))
+    if {"medusa", "medusa_device"} & methods:
         from model.medusa import load_heads
 
-        out["medusa"] = decoder(MedusaProposer(load_heads(args.medusa_heads)[0], r, k))
+        if not args.medusa_heads:
+            raise SystemExit("--methods medusa needs --medusa_heads (a checkpoint dir from serving/train_heads.py)")
+        heads = decoder(MedusaProposer(load_heads(args.medusa_heads)[0], r, k))
+        out |= dict(medusa=heads, medusa_device=heads)  # medusa_device: drafting inside the on-device loop
+    unknown = methods - set(out)
+    if unknown:
+        raise SystemExit(f"unknown --methods {sorted(unknown)}; choose from {sorted(out)}")
     return out
 
 
@@ -103,7 +103,7 @@ def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int, device_loop:
     engine = llm.engine
     compiles = COMPILES.count
     engine.spec = spec
-    engine.spec_loops.enabled = device_loop  # n-gram inside the on-device loop, or one host round trip per pass
+    engine.spec_loops.enabled = device_loop  # n-gram / medusa inside the on-device loop, or one round trip a pass
     loops = engine.spec_loops.num_loops
     before = spec.counters.as_dict() if spec is not None else None
     tokens, seconds, outs = 0, 0.0, []
@@ -135,7 +135,7 @@ def _traced(llm: LLM, spec, domains: dict, args, method: str) -> dict:
     trace_dir = f"{args.trace_dir}/{method}"
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
-    row = _run(llm, spec, domains[domain], args.max_tokens, method == "ngram_device")
+    row = _run(llm, spec, domains[domain], args.max_tokens, method.endswith("_device"))
     wall = time.perf_counter() - t0
     jax.profiler.stop_trace()
     row.pop("outputs")
@@ -168,7 +168,9 @@ def main():
     ap.add_argument("--attention_backend", default=None)
     ap.add_argument("--medusa_heads", default=None, help="heads checkpoint dir (python -m serving.train_heads)")
     ap.add_argument(
-        "--methods", default="off,ngram,self,draft", help="also: ngram_device, medusa (needs --medusa_heads)"
+        "--methods",
+        default="off,ngram,self,draft",
+        help="also: ngram_device, medusa, medusa_device (need --medusa_heads)",
     )
     ap.add_argument("--random_weights", default=None, help="a ModelConfig preset: random weights of its shape")
     ap.add_argument(
@@ -242,7 +244,7 @@ def main():
         methods={},
     )
     for m in methods:
-        dev = m == "ngram_device"
+        dev = m.endswith("_device")  # ngram_device, medusa_device: the on-device speculative loop
         for p in domains.values():  # a first, untimed pass compiles every shape these requests meet
             _run(llm, decoders[m], p, args.max_tokens, dev)
         result["methods"][m] = {d: _run(llm, decoders[m], p, args.max_tokens, dev) for d, p in domains.items()}

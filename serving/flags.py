@@ -81,7 +81,9 @@ flags.DEFINE_integer(
     "speculative_draft_layers", _D.speculative_draft_layers, "target layers the self-speculative draft runs (0: half)"
 )
 flags.DEFINE_bool(
-    "speculative_device_loop", _D.speculative.device_loop, "n-gram speculation inside the on-device decode loop"
+    "speculative_device_loop",
+    _D.speculative.device_loop,
+    "n-gram and medusa speculation inside the on-device decode loop",
 )
 flags.DEFINE_enum("quantization", _D.quantization.method, list(QUANTIZATIONS), "weight quantisation, done at load")
 flags.DEFINE_string(

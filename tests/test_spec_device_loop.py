@@ -234,7 +234,7 @@ def _first_tokens(engine, hist: list[int], st_row: dict, n: int) -> np.ndarray:
     bs = r.block_size
     table = list(range(1, 1 + -(-(len(hist) + k + 1) // bs)))
     r.forward([RowInput(hist[:-1], 0, table)])  # the history's KV but the last token's (the loop writes it)
-    fn = spec_loop.spec_loop_fn(r, 1, k, (4, 1, 4096))
+    fn = spec_loop.spec_loop_fn(r, 1, k, ("ngram", 4, 1, 4096))
     hw = 128
     tiled = np.zeros((n, hw), np.int32)
     tiled[:, : len(hist)] = hist

@@ -11,8 +11,10 @@ Head i predicts the token i + 1 beyond t (model/medusa.py), so the drafts contin
 q_i does not depend on the earlier drafts: a valid special case of the rejection rule's q_i(. | context, d_<i), so
 output stays exactly the target's. A recorded state is used only while the request still has the token count it was
 recorded at; a row without one (its first decode step, after a decode loop) gets no drafts that step, and the step
-records one. While the proposer may draft (SpecDecoder.takes) every engine step goes through the SpecDecoder, so
-the hidden states are never lost to an on-device decode loop.
+records one. While the proposer may draft (SpecDecoder.takes) every engine step goes through the SpecDecoder or
+the on-device speculative loop (serving/engine/spec_loop.py: the same heads and draw, `draw_drafts`, per loop
+iteration; the loop carries h and records it here when it ends), so the hidden states are never lost to a plain
+decode loop.
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ class MedusaProposer(Proposer):
         got = self._hidden.get(r.request_id)
         return got if got is not None and got[2] == len(r.token_ids) else None
 
+    def current(self, request_id: Any, num_tokens: int) -> jax.Array | None:
+        """The request's recorded hidden state [D] if it is still at `num_tokens` tokens, else None."""
+        got = self._hidden.get(request_id)
+        return got[0][got[1]] if got is not None and got[2] == num_tokens else None
+
+    @property
+    def heads(self):
+        """(graphdef, state) of the heads (the on-device loop takes them as arguments)."""
+        return self._graph, self._state
+
     def propose(self, rows: Sequence[ProposalRow], st: SamplingTensors | None = None) -> Proposal:
         """Drafts for rows with a current hidden state; `st`: the rows' sampling parameters (None: greedy)."""
         k_max = _check_rows(rows)
@@ -103,18 +115,21 @@ class MedusaProposer(Proposer):
         return set(self._hidden)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 6))
-def _draft(heads_graph, heads_state, target_graph, target_params, h_bd, st: SamplingTensors, num_heads: int):
+def draw_drafts(heads: MedusaHeads, target, h_bd, st: SamplingTensors, num_heads: int):
     """(drafts [B, k], q [B, k, V]) of the first k = num_heads heads: head i's processed distribution and a draw
-    from it (its argmax for greedy rows)."""
-    heads = nnx.merge(heads_graph, heads_state)
-    target = nnx.merge(target_graph, target_params)
+    from it (its argmax for greedy rows), keyed by row_keys(seed, step) folded with _DRAFT_STREAM."""
     logits = head_logits(heads, target, h_bd, num_heads)  # [B, k, V]
     q = processed_target_probs(logits, st)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, _DRAFT_STREAM))(row_keys(st.seed, st.step))
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, q.shape[1:], jnp.float32))(keys)  # [B, H, V]
     tokens = jnp.argmax(jnp.log(q) + gumbel, axis=-1)  # a draw from q (one-hot rows: their argmax)
     return tokens.astype(jnp.int32), q
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 6))
+def _draft(heads_graph, heads_state, target_graph, target_params, h_bd, st: SamplingTensors, num_heads: int):
+    heads, target = nnx.merge(heads_graph, heads_state), nnx.merge(target_graph, target_params)
+    return draw_drafts(heads, target, h_bd, st, num_heads)
 
 
 def make_medusa_proposer(runner: ModelRunner, spec) -> MedusaProposer:

@@ -171,7 +171,7 @@ class ModelRunner:
         # a short-context batch then never pays for max_model_len.
         gathers = resolve_backend(attention_backend, "ragged_paged_attention") in ("xla", "interpret")
         self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
-        self.kv_dtype = kv_dtype or model.dtype
+        self.dtype, self.kv_dtype = model.dtype, kv_dtype or model.dtype  # compute, KV pages
         if callable(num_blocks):  # sized now that the parameters sit on their devices (the engine's size_kv_pool)
             num_blocks = num_blocks(model, self.mesh)
         kv_heads = kv_cache_heads(self.cfg.num_kv_heads, self.mesh)  # repeated up to tp when fewer (model/kv.py)
@@ -268,7 +268,8 @@ class ModelRunner:
     def _out_tree(self, key: tuple):
         """Output structure of an executable: step -> (logits, kv, router counts, hidden), loop -> (tokens, logprobs,
         kv, router counts)."""
-        return jax.tree.structure((0, self.kv_cache, 0, 0) if key[0] == "step" else (0, 0, self.kv_cache, 0))
+        second = (0, 0, 0) if key[0] == "medusa_loop" else 0  # the medusa loop: (stats, hidden, has_hidden)
+        return jax.tree.structure((0, self.kv_cache, 0, 0) if key[0] == "step" else (0, second, self.kv_cache, 0))
 
     def _step_args(self, t: int, s: int, w: int, n_logits: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731

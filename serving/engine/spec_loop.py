@@ -1,4 +1,5 @@
-"""Speculative decoding inside the on-device decode loop: n-gram drafting, verification and acceptance per iteration.
+"""Speculative decoding inside the on-device decode loop: drafting (n-gram, or trained Medusa heads), verification
+and acceptance per iteration.
 
 The host-side speculative step (serving/engine/speculate.py) pays one host round trip per verify pass (~20 ms on the
 H200 with the host's work and dispatch gaps), while a pass over k + 1 tokens costs about what a one-token step does:
@@ -9,9 +10,14 @@ decode loop (runner._loop_fn), so the round trip is paid once per loop. Per iter
               the loop starts, then its own tokens; `offset` = the positions before it): the k tokens that followed
               the most recent earlier occurrence of its last n tokens, n from max_n down to min_n, exactly
               NgramProposer's rule (`ngram_drafts`); no match (or the policy gave the row k = 0): no drafts
+              medusa: the heads on h, the target's hidden state whose logits drew the row's last token (carried
+              from iteration to iteration, in and out of the loop through MedusaProposer.record): k tokens drawn
+              from each head's processed q (head_proposer.draw_drafts, the host path's rule); a row without a
+              current h drafts nothing in its first iteration, whose verify pass yields one
     verify    one ragged pass of k + 1 query tokens per row (cu_q_lens = (k + 1) * row), logits at every one
     accept    greedy rows: the longest prefix of drafts equal to the argmax, then the argmax; sampled rows:
-              rejection_sample on processed_target_probs with q one-hot, keys row_keys(seed, tokens generated)
+              rejection_sample on processed_target_probs with q (one-hot for n-gram), keys row_keys(seed, tokens
+              generated)
     advance   emitted tokens (capped at the row's remaining limit, cut after a stop id) go to the history and to
               the output buffer [num_steps * (k + 1), S]; the row's position moves by their count
 
@@ -21,9 +27,10 @@ when the loop ends (the scheduler rolls nothing back: the next step writes them 
 start + limit (the blocks reserved, DecodeLoops._reserve) go to the null page; the block table is padded inside the
 loop so the kernel never reads past it. A row past its limit, or stopped, writes only the null page.
 
-The engine takes this path when speculation is on with the n-gram proposer, `speculative_device_loop` is set, the
-policy gives some row drafts, and every row is a decode row that a plain decode loop could take (no stop strings,
-penalties, logprobs, min_tokens, grammar or logit bias: DecodeLoops._row_limit). With one compiled k the pass costs
+The engine takes this path when speculation is on with the n-gram or medusa proposer, `speculative_device_loop` is
+set, the policy gives some row drafts (medusa: also when it gives none, so the hidden states stay current), and every
+row is a decode row that a plain decode loop could take (no stop strings, penalties, logprobs, min_tokens, grammar
+or logit bias: DecodeLoops._row_limit). With one compiled k the pass costs
 the same whatever a row drafts, so the policy's k per row only chooses between drafting (all k) and not (0).
 """
 
@@ -44,6 +51,7 @@ from model.kv import PagedMeta
 from model.sampling import SamplingTensors
 from serving.core.request import Request, RequestStatus
 from serving.core.scheduler_output import SchedulerOutput
+from serving.engine.head_proposer import MedusaProposer, draw_drafts
 from serving.engine.proposers import NgramProposer
 from serving.engine.runner import pad_sampling
 from serving.speculative import processed_target_probs, rejection_sample, row_keys
@@ -96,10 +104,11 @@ def ngram_drafts(hist_sh, length_s, k: int, max_n: int, min_n: int, max_history:
     return drafts.astype(jnp.int32), found
 
 
-def accept(logits_skv, drafts_sk, num_draft_s, st: SamplingTensors):
+def accept(logits_skv, drafts_sk, num_draft_s, st: SamplingTensors, draft_probs=None):
     """(tokens [S, k+1], num_emitted [S]) of one verify pass: greedy rows take the argmax chain up to the first
-    draft that differs; sampled rows (temperature > 0) the rejection rule on the processed target probs (one lax.cond:
-    an all-greedy batch skips the vocabulary sort)."""
+    draft that differs; sampled rows (temperature > 0) the rejection rule on the processed target probs against
+    `draft_probs` [S, k, V] (None: one-hot drafts, as prompt lookup's; one lax.cond: an all-greedy batch skips the
+    vocabulary sort). A greedy row's drafts must then be the argmax of its q (one-hot), as draw_drafts makes them."""
     k = drafts_sk.shape[1]
     argmax = jnp.argmax(logits_skv, axis=-1).astype(jnp.int32)  # [S, k+1]
     same = (drafts_sk == argmax[:, :k]) & (jnp.arange(k)[None, :] < num_draft_s[:, None])
@@ -107,28 +116,41 @@ def accept(logits_skv, drafts_sk, num_draft_s, st: SamplingTensors):
 
     def sampled(_):
         probs = processed_target_probs(logits_skv, st)
-        return rejection_sample(probs, None, drafts_sk, num_draft_s, row_keys(st.seed, st.step))
+        return rejection_sample(probs, draft_probs, drafts_sk, num_draft_s, row_keys(st.seed, st.step))
 
     tok_s, n_s = jax.lax.cond(jnp.any(st.temperature > 0), sampled, lambda _: (argmax, n_greedy), None)
     hot = st.temperature > 0
     return jnp.where(hot[:, None], tok_s, argmax), jnp.where(hot, n_s, n_greedy).astype(jnp.int32)
 
 
-def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
+def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
     """The jitted loop: (params, kv, hist [S, H], length [S], offset [S], tables [S, W], limits [S], draft_on [S],
     stop_ids [S, MAX_STOP_IDS], st) -> (tokens [num_steps*(k+1), S], stats [1 + 2*num_steps, S], kv, router counts).
     Row s's tokens are hist[s, :length[s]], at positions offset[s] onwards; the last one is the loop's first input.
 
+    `drafter`: ("ngram", max_n, min_n, max_history), prompt lookup on the history; or ("medusa", heads graphdef),
+    trained heads on the hidden state whose logits drew the row's last token. The medusa loop takes three more
+    arguments, (heads state, h [S, D], has_h [S] bool: h is current), and returns (stats, h, has_h) in place of
+    stats: a row without a current h drafts nothing in its first iteration, whose verify pass records one.
+
     stats row 0: tokens each row emitted; rows 1..num_steps: drafts per iteration; the last num_steps rows: tokens
-    emitted per iteration. The output tree is the plain loop's (tokens, one array, kv, counts), so the runner's
-    executable cache loads it as a loop.
+    emitted per iteration. The output tree is the plain loop's (tokens, one array or the medusa triple, kv,
+    counts), so the runner's executable cache loads it as a loop.
     """
     graphdef, backend, bs, mesh, cfg = runner.graphdef, runner.backend, runner.block_size, runner.mesh, runner.cfg
     k1 = k + 1
-    max_n, min_n, max_history = ngram
+    medusa = drafter[0] == "medusa"
 
-    def loop(params, kv, hist, length, offset, tables, limits, draft_on, stop_ids, st: SamplingTensors):
+    def draft(model, heads, hist, length, h, has_h, st_i):
+        """(drafts [S, k], found [S], q [S, k, V] or None) for this iteration."""
+        if medusa:
+            drafts, q = draw_drafts(heads, model, h, st_i, k)
+            return drafts, has_h, q
+        return (*ngram_drafts(hist, length, k, *drafter[1:]), None)
+
+    def loop(params, kv, hist, length, offset, tables, limits, draft_on, stop_ids, st, heads=None, h=None, has_h=None):
         model = nnx.merge(graphdef, params)
+        heads = nnx.merge(drafter[1], heads) if medusa else None
         s = hist.shape[0]
         rows = jnp.arange(s)
         cu = (jnp.arange(s + 1) * k1).astype(jnp.int32)
@@ -138,13 +160,14 @@ def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
         out_len = num_steps * k1
 
         def cond(carry):
-            i, _, _, _, _, count, done, _, _ = carry
+            i, _, _, _, _, count, done, _, _, _ = carry
             return (i < num_steps) & jnp.any((count < limits) & ~done)
 
         def body(carry):
-            i, hist, length, kv, out_tok, count, done, stats, routed = carry
+            i, hist, length, kv, out_tok, count, done, stats, routed, (h, has_h) = carry
             active = (count < limits) & ~done
-            drafts, found = ngram_drafts(hist, length, k, max_n, min_n, max_history)
+            st_i = dataclasses.replace(st, step=st.step + count)
+            drafts, found, q = draft(model, heads, hist, length, h, has_h, st_i)
             num_draft = jnp.where(found & (draft_on > 0) & active, k, 0).astype(jnp.int32)
             pos = (offset + length - 1)[:, None] + j  # [S, k+1]
             tok = jnp.concatenate([hist[rows, length - 1][:, None], drafts], axis=1)
@@ -154,9 +177,10 @@ def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
             kv_lens = (offset + length + k).astype(jnp.int32)
             meta = PagedMeta(slots.reshape(-1), tables, kv_lens, cu, jnp.int32(s), False, backend, mesh)
             valid = jnp.repeat(active, k1)[None]
-            logits, kv, counts = model(tok.reshape(1, -1), pos.reshape(1, -1), kv, meta, None, valid, True)
-            st_i = dataclasses.replace(st, step=st.step + count)
-            emitted, n_emit = accept(logits[0].reshape(s, k1, -1), drafts, num_draft, st_i)
+            logits, kv, counts, *hidden = model(
+                tok.reshape(1, -1), pos.reshape(1, -1), kv, meta, None, valid, True, medusa
+            )
+            emitted, n_emit = accept(logits[0].reshape(s, k1, -1), drafts, num_draft, st_i, q)
             n_emit = jnp.where(active, jnp.minimum(n_emit, limits - count), 0)
             is_stop = jnp.any(emitted[:, :, None] == jnp.where(stop_ids >= 0, stop_ids, -2)[:, None, :], axis=2)
             is_stop = is_stop & (j < n_emit[:, None])
@@ -167,15 +191,20 @@ def spec_loop_fn(runner, num_steps: int, k: int, ngram: tuple[int, int, int]):
             hist = hist.at[rows[:, None], jnp.where(keep, length[:, None] + j, hist.shape[1])].set(emitted, mode="drop")
             stats = stats.at[1 + i].set(num_draft).at[1 + num_steps + i].set(n_emit)
             count = count + n_emit
-            return i + 1, hist, length + n_emit, kv, out_tok, count, done | stopped, stats, routed + counts
+            if medusa:  # the state at the last emitted token's query index drew it: the next drafts continue it
+                h_new = hidden[0][0].reshape(s, k1, -1)[rows, jnp.maximum(n_emit - 1, 0)]
+                h, has_h = jnp.where((n_emit > 0)[:, None], h_new.astype(h.dtype), h), has_h | (n_emit > 0)
+            carry = hist, length + n_emit, kv, out_tok, count, done | stopped, stats, routed + counts, (h, has_h)
+            return i + 1, *carry
 
         zeros = jnp.zeros(s, jnp.int32)
         routed = jnp.zeros((cfg.num_layers, cfg.num_experts), jnp.int32)
         out_tok = jnp.zeros((out_len, s), jnp.int32)
         stats = jnp.zeros((1 + 2 * num_steps, s), jnp.int32)
-        init = (jnp.int32(0), hist, length, kv, out_tok, zeros, zeros > 0, stats, routed)
-        _, _, _, kv, out_tok, count, _, stats, routed = jax.lax.while_loop(cond, body, init)
-        return out_tok, stats.at[0].set(count), kv, routed
+        init = (jnp.int32(0), hist, length, kv, out_tok, zeros, zeros > 0, stats, routed, (h, has_h))
+        _, _, _, kv, out_tok, count, _, stats, routed, (h, has_h) = jax.lax.while_loop(cond, body, init)
+        stats = stats.at[0].set(count)
+        return out_tok, (stats, h, has_h) if medusa else stats, kv, routed
 
     return jax.jit(loop, donate_argnums=(1,))
 
@@ -211,9 +240,9 @@ class SpecLoops:
     num_steps = property(lambda self: max(1, self._engine.config.decode_steps))
 
     @property
-    def proposer(self) -> NgramProposer | None:
+    def proposer(self) -> NgramProposer | MedusaProposer | None:
         spec = self.spec
-        ok = self.enabled and spec is not None and isinstance(spec.proposer, NgramProposer)
+        ok = self.enabled and spec is not None and isinstance(spec.proposer, NgramProposer | MedusaProposer)
         # Several processes replay the leader's runner calls (sharding/multihost.py), which know no spec loop yet:
         # there the host verify path runs.
         return spec.proposer if ok and jax.process_count() == 1 else None
@@ -222,27 +251,42 @@ class SpecLoops:
     def k(self) -> int:
         return self.spec.max_k
 
+    medusa = property(lambda self: isinstance(self.proposer, MedusaProposer))
+
+    @property
+    def searched(self) -> int:
+        """The tail of a row's tokens the loop starts from: what prompt lookup searches (medusa: the last token)."""
+        return 1 if self.medusa else self.proposer.max_history
+
     @property
     def history(self) -> int:
         """H, the history buffer's width: the tokens prompt lookup searches (the last max_history, at most
         max_model_len) plus what one loop appends, rounded up to 128: independent of the context length."""
-        n = min(self._engine.max_model_len, self.proposer.max_history) + self.num_steps * (self.k + 1)
+        n = min(self._engine.max_model_len, self.searched) + self.num_steps * (self.k + 1)
         return -(-n // 128) * 128
 
     def _key(self, s: int, w: int) -> tuple:
-        p = self.proposer
-        return ("spec_loop", self.num_steps, self.k, s, w, self.history, p.max_n, p.min_n, p.max_history, self._tag)
+        p, head = self.proposer, (self.num_steps, self.k, s, w, self.history)
+        if self.medusa:
+            return ("medusa_loop", *head, repr(p.heads[0]), self._tag)
+        return ("spec_loop", *head, p.max_n, p.min_n, p.max_history, self._tag)
 
     def _args(self, s: int, w: int):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        st = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), SamplingTensors.from_rows([{}] * s))
+        shaped = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+        st = shaped(SamplingTensors.from_rows([{}] * s))
         r = self.runner
         hist = i32(s, self.history)
-        return (r.params, r.kv_cache, hist, i32(s), i32(s), i32(s, w), i32(s), i32(s), i32(s, MAX_STOP_IDS), st)
+        args = (r.params, r.kv_cache, hist, i32(s), i32(s), i32(s, w), i32(s), i32(s), i32(s, MAX_STOP_IDS), st)
+        if not self.medusa:
+            return args
+        h = jax.ShapeDtypeStruct((s, r.cfg.hidden_size), r.dtype)
+        return (*args, shaped(self.proposer.heads[1]), h, jax.ShapeDtypeStruct((s,), jnp.bool_))
 
     def _build(self):
         p = self.proposer
-        return spec_loop_fn(self.runner, self.num_steps, self.k, (p.max_n, p.min_n, p.max_history))
+        drafter = ("medusa", p.heads[0]) if self.medusa else ("ngram", p.max_n, p.min_n, p.max_history)
+        return spec_loop_fn(self.runner, self.num_steps, self.k, drafter)
 
     # Before and after the scheduler --------------------------------------------------------------------------
 
@@ -273,7 +317,9 @@ class SpecLoops:
     def run(self, out: SchedulerOutput) -> tuple[dict, None, dict] | None:
         """Runs the loop over this step's rows; (sampled, None, computed) for Scheduler.update, or None."""
         draft_on, self._draft_on = self._draft_on, None
-        if draft_on is None or not any(draft_on.values()):
+        # No row drafts: prompt lookup leaves the step to the plain (chaining) decode loop; medusa keeps its loop,
+        # which keeps each row's hidden state current for when the policy lets it draft again.
+        if draft_on is None or not (any(draft_on.values()) or self.medusa):
             return None
         if any(len(sr.token_ids) != 1 or sr.num_draft or not sr.sample or sr.request_id not in draft_on
                for sr in out.scheduled):  # fmt: skip
@@ -316,7 +362,7 @@ class SpecLoops:
         hist = np.zeros((s, self.history), np.int32)
         length = np.ones(s, np.int32)  # padding rows: one token at position 0, limit 0 (the null page only)
         offset = np.zeros(s, np.int32)
-        searched = self.proposer.max_history
+        searched = self.searched
         tables = np.zeros((s, w), np.int32)
         lim = np.zeros(s, np.int32)
         on = np.zeros(s, np.int32)
@@ -334,12 +380,30 @@ class SpecLoops:
         st = pad_sampling(self._sampling_tensors(reqs), s)
         exe = r._executable(self._key(s, w), self._build, lambda: self._args(s, w))
         args = (hist, length, offset, tables, lim, on, stops, st)
+        if self.medusa:
+            args = (*args, self.proposer.heads[1], *self._hidden_in(reqs, s))
         out_tok, stats, r.kv_cache, routed = exe(r.params, r.kv_cache, *args)
         r._count_routed(routed)
         self.num_loops += 1
+        if self.medusa:
+            stats, h, has_h = stats
+            counts, has_h = np.asarray(stats[0]), np.asarray(has_h)
+            done = [i for i in range(n) if has_h[i]]
+            if done:
+                ids, num = [reqs[i].request_id for i in done], [reqs[i].num_tokens + int(counts[i]) for i in done]
+                self.proposer.record(ids, num, h[np.asarray(done)])
         tokens, stats = np.asarray(out_tok)[:, :n], np.asarray(stats)[:, :n]
         m = self.num_steps
         return SpecLoopResult(tokens, stats[0], stats[1 : 1 + m], stats[1 + m :])
+
+    def _hidden_in(self, reqs: Sequence[Request], s: int):
+        """(h [s, D], has_h [s]): each row's recorded hidden state, where it is current (the host verify path or an
+        earlier loop recorded it at the request's present token count)."""
+        r, p = self.runner, self.proposer
+        got = [p.current(req.request_id, req.num_tokens) for req in reqs]
+        zero = jnp.zeros((r.cfg.hidden_size,), r.dtype)
+        h = jnp.stack([zero if g is None else g.astype(zero.dtype) for g in got] + [zero] * (s - len(reqs)))
+        return h, np.array([g is not None for g in got] + [False] * (s - len(reqs)))
 
     def warmup(self, widths: Sequence[int] | None = None, threads: int | None = None) -> int:
         """Compiles the loop for every decode bucket (at the given table widths) so nothing compiles while serving;
