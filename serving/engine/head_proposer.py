@@ -119,11 +119,18 @@ def draw_drafts(heads: MedusaHeads, target, h_bd, st: SamplingTensors, num_heads
     """(drafts [B, k], q [B, k, V]) of the first k = num_heads heads: head i's processed distribution and a draw
     from it (its argmax for greedy rows), keyed by row_keys(seed, step) folded with _DRAFT_STREAM."""
     logits = head_logits(heads, target, h_bd, num_heads)  # [B, k, V]
-    q = processed_target_probs(logits, st)
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, _DRAFT_STREAM))(row_keys(st.seed, st.step))
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, q.shape[1:], jnp.float32))(keys)  # [B, H, V]
-    tokens = jnp.argmax(jnp.log(q) + gumbel, axis=-1)  # a draw from q (one-hot rows: their argmax)
-    return tokens.astype(jnp.int32), q
+
+    def sampled(_):
+        q = processed_target_probs(logits, st)
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, _DRAFT_STREAM))(row_keys(st.seed, st.step))
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, q.shape[1:], jnp.float32))(keys)  # [B, H, V]
+        return jnp.argmax(jnp.log(q) + gumbel, axis=-1).astype(jnp.int32), q  # a draw (one-hot rows: the argmax)
+
+    def greedy(_):  # an all-greedy batch: no vocabulary sort, no Gumbel noise (q one-hot at the argmax)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tokens, jax.nn.one_hot(tokens, logits.shape[-1], dtype=jnp.float32)
+
+    return jax.lax.cond(jnp.any(st.temperature > 0), sampled, greedy, None)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 6))
