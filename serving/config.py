@@ -31,7 +31,7 @@ from sharding.config import ParallelConfig
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_COMPILATION_CACHE_DIR = os.path.join("~", ".cache", "pallas-serve", "xla")
 DEVICE_LOOP_METHODS = ("ngram", "medusa")  # the proposers that draft inside the on-device loop (spec_loop.py)
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on an accelerator, float32 on a CPU
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "medusa")
@@ -76,12 +76,13 @@ class ModelOptions:
 
     Attributes:
         model: None for the embedded default, or a .gguf file, an HF safetensors directory or an Orbax directory.
-        dtype: weights and compute dtype name (a jnp dtype is accepted and stored by name).
+        dtype: weights and compute dtype name (a jnp dtype is accepted and stored by name); "auto" (the default):
+            bfloat16 on a GPU or TPU, float32 on a CPU (serving.engine.llm.parse_dtype decides, where JAX is).
         max_model_len: longest prompt + output; None: the model's own limit.
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_model_len: int | None = None
 
     def __post_init__(self):

@@ -347,3 +347,19 @@ def test_cpu_hosts_keep_no_compiled_code_on_disk(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     llm_module.enable_compilation_cache("/tmp/somewhere")
     assert calls == {}
+
+
+def test_auto_dtype_is_bfloat16_on_an_accelerator_and_float32_on_a_cpu(monkeypatch):
+    import jax.numpy as jnp
+
+    from serving.engine import llm
+
+    assert EngineConfig.from_kwargs().dtype == "auto"
+    for backend, want in (("cpu", jnp.float32), ("gpu", jnp.bfloat16), ("tpu", jnp.bfloat16)):
+        monkeypatch.setattr(llm.jax, "default_backend", lambda b=backend: b)
+        assert llm.parse_dtype("auto") == want
+    assert llm.parse_dtype("float16") == jnp.float16 and llm.parse_dtype(jnp.bfloat16) == jnp.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        llm.parse_dtype("int8")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig.from_kwargs(dtype="float64")

@@ -42,9 +42,14 @@ _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.
 
 
 def parse_dtype(dtype: Any):
+    """The jnp dtype of a dtype option: "auto" is bfloat16 on an accelerator (as vLLM's auto picks a checkpoint's
+    bf16; a float32 engine on a GPU pays 1.2-1.4x per decoded token and loses speculation's gain, BENCHMARKS.md
+    "H200 session 10") and float32 on a CPU (faster there, and the oracle tests' exact path)."""
     if isinstance(dtype, str):
+        if dtype == "auto":
+            return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
         if dtype not in _JNP_DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_JNP_DTYPES)}")
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {['auto', *sorted(_JNP_DTYPES)]}")
         return _JNP_DTYPES[dtype]
     return dtype
 
@@ -102,7 +107,7 @@ class LLM:
         """
         t0 = time.perf_counter()
         config = _engine_config(config, options)
-        if "dtype" in options and parse_dtype(options["dtype"]) != model.dtype:
+        if options.get("dtype", "auto") != "auto" and parse_dtype(options["dtype"]) != model.dtype:
             raise ValueError(f"dtype={options['dtype']!r} differs from the model's {jnp.dtype(model.dtype).name}")
         enable_compilation_cache(config.compilation_cache_dir)
         llm = cls.__new__(cls)
@@ -117,12 +122,13 @@ class LLM:
         names; host or device arrays, possibly sharded on a mesh already), an nnx.State or a Transformer.
 
         The parameters are copied (the caller keeps its arrays) and placed on the engine's mesh. The dtype is the
-        `dtype` option, else that of params["embed"]. Other arguments as for `from_model`.
+        `dtype` option; "auto" (the default) is that of params["embed"] where floating, else the backend's (parse_dtype).
+        Other arguments as for `from_model`.
         """
         t0 = time.perf_counter()
         params = weights.canonical_params(params, config)
         embed = params.get("embed")
-        if "dtype" not in options and engine_config is None and embed is not None:
+        if options.get("dtype", "auto") == "auto" and engine_config is None and embed is not None:
             if jnp.issubdtype(embed.dtype, jnp.floating):
                 options["dtype"] = jnp.dtype(embed.dtype).name
         engine_config = _engine_config(engine_config, options)
