@@ -152,6 +152,24 @@ def quantised_params(params, calib, method):
     return out
 
 
+# "<method>_seq": the method on inputs re-recorded from the partly quantised model before each projection (GPTQ's
+# "true sequential" order: a projection compensates the error of everything quantised before it), not the float's.
+SEQUENTIAL_SUFFIX = "_seq"
+
+
+def sequential_params(config, params, calib_bt, method):
+    """quantised_params with each projection's calibration inputs recorded anew from the model whose earlier
+    projections (forward order: layer by layer, qkv, o, gate_up, down) are already quantised."""
+    out = dict(params)
+    for i in range(config.num_layers):
+        for leaf in PROJECTIONS:
+            name = f"layers.{i}.{leaf}"
+            model = transformer.build_model(config, out, jnp.float32)
+            x = calibration_inputs(model, calib_bt, config.num_layers)[name]
+            out = quantised_params(out, {name: x}, method)
+    return out
+
+
 def score(model, eval_bt, base_logprobs=None, kv_dtype=None):
     """Mean NLL of next tokens, and (against base log-probs) mean KL(base || this) and top-1 agreement."""
     graphdef, state = nnx.split(model)
@@ -185,7 +203,11 @@ def main(argv=None):
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--eval_seqs", type=int, default=4)
     parser.add_argument("--calib_seqs", type=int, default=2)
-    parser.add_argument("--methods", default=",".join([*DEFAULT_METHODS, *KV_METHODS]), help=", ".join(METHODS))
+    parser.add_argument(
+        "--methods",
+        default=",".join([*DEFAULT_METHODS, *KV_METHODS]),
+        help=", ".join(METHODS) + f" (each also as <method>{SEQUENTIAL_SUFFIX})",
+    )
     parser.add_argument("--group_size", type=int, default=64)
     parser.add_argument("--zero_point", default="float", choices=qm.ZERO_POINTS)
     args = parser.parse_args(argv)
@@ -215,7 +237,11 @@ def main(argv=None):
     for method in args.methods.split(","):
         start = time.time()
         kv_dtype = KV_METHODS.get(method)
-        if kv_dtype is None:
+        if method.endswith(SEQUENTIAL_SUFFIX):
+            base_method = method.removesuffix(SEQUENTIAL_SUFFIX)
+            qparams = sequential_params(ckpt.config, params, calib_bt, base_method)
+            qmodel = transformer.build_model(ckpt.config, qparams, jnp.float32)
+        elif kv_dtype is None:
             qmodel = transformer.build_model(ckpt.config, quantised_params(params, calib, method), jnp.float32)
         else:
             qmodel = model

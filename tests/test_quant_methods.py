@@ -191,3 +191,33 @@ def test_int4_clip_search_never_worse_per_group_and_helps_heavy_tails(zero_point
     assert output_error(x, w, qm.awq(w, x, **kw)) < output_error(x, w, qm.awq(w, x, clip=False, **kw))
     e_gptq = output_error(x, w, qm.gptq(w, x, act_order=True, **kw))
     assert e_gptq < output_error(x, w, qm.gptq(w, x, act_order=True, clip=False, **kw)) and e_gptq < 0.9 * e_rtn
+
+
+def test_sequential_calibration_starts_from_float_inputs_and_then_sees_quantised_ones(monkeypatch):
+    """benchmarks/quant_quality.py's `<method>_seq`: every projection quantised; the first one (nothing quantised
+    before it) equals the float-input method's, a later one differs (its inputs come from quantised layers); an
+    input-free method (RTN) is unchanged by the order."""
+    from benchmarks import quant_quality as qq
+    from model import transformer
+    from model.config import ModelConfig
+
+    cfg = ModelConfig.tiny()
+    monkeypatch.setitem(qq.GROUP, "group_size", 16)  # tiny K = 64 / 96
+    params = transformer.model_params(transformer.random_model(cfg, jnp.float32, seed=3))
+    calib = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32)).astype(np.int32)
+    model = transformer.build_model(cfg, params, jnp.float32)
+    plain = {m: qq.quantised_params(params, qq.calibration_inputs(model, calib, cfg.num_layers), m)
+             for m in ("int4_gptq", "int4_rtn")}  # fmt: skip
+    seq = {m: qq.sequential_params(cfg, params, calib, m) for m in ("int4_gptq", "int4_rtn")}
+
+    def values(p, name):
+        return np.asarray(p[name].values)
+
+    names = [n for n in params if n.startswith("layers.") and n.rsplit(".", 1)[1] in ("wq", "w_down")]
+    assert names and all(isinstance(seq["int4_gptq"][n], quant.QuantizedArray) for n in names)
+    np.testing.assert_array_equal(values(seq["int4_gptq"], "layers.0.wq"), values(plain["int4_gptq"], "layers.0.wq"))
+    assert not np.array_equal(
+        values(seq["int4_gptq"], "layers.1.w_down"), values(plain["int4_gptq"], "layers.1.w_down")
+    )
+    for n in names:
+        np.testing.assert_array_equal(values(seq["int4_rtn"], n), values(plain["int4_rtn"], n))
