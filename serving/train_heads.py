@@ -246,8 +246,9 @@ def main(argv):
     max_len = f.prompt_len + f.max_tokens + 16
     # A pool for the generation batch only (16-token blocks, one spare each): the rest of the device's memory is
     # the training's (a pool sized from free memory left too little for the held-out evaluation on an H200).
-    blocks = f.max_num_seqs * (max_len // 16 + 2)
-    llm = LLM(f.model, dtype=f.dtype, max_num_seqs=f.max_num_seqs, max_model_len=max_len, num_kv_blocks=blocks)
+    bs = 16
+    pool = dict(block_size=bs, num_kv_blocks=f.max_num_seqs * (max_len // bs + 2))
+    llm = LLM(f.model, dtype=f.dtype, max_num_seqs=f.max_num_seqs, max_model_len=max_len, **pool)
     prompts = corpus_prompts(llm.tokenizer, files, f.num_prompts, f.prompt_len, f.seed)
     notes = dict(model=f.model, dtype=f.dtype, corpus=f.corpus, holdout=sorted(holdout), corpus_files=len(files))
     history = run(llm, prompts, f.max_tokens, f.temperature, cfg, f.out_dir, notes, prompt_positions=f.prompt_positions)

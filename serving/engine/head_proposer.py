@@ -70,10 +70,6 @@ class MedusaProposer(Proposer):
         for j, (rid, n) in enumerate(zip(request_ids, num_tokens)):
             self._hidden[rid] = (hidden_nd, j, int(n))
 
-    def _state_of(self, r: ProposalRow):
-        got = self._hidden.get(r.request_id)
-        return got if got is not None and got[2] == len(r.token_ids) else None
-
     def current(self, request_id: Any, num_tokens: int) -> jax.Array | None:
         """The request's recorded hidden state [D] if it is still at `num_tokens` tokens, else None."""
         got = self._hidden.get(request_id)
@@ -89,11 +85,15 @@ class MedusaProposer(Proposer):
         k_max = _check_rows(rows)
         draft = np.full((len(rows), k_max), -1, np.int32)
         num = np.zeros(len(rows), np.int32)
-        live = [(i, s) for i, r in enumerate(rows) if r.k > 0 and (s := self._state_of(r)) is not None]
+        live = [
+            (i, got)
+            for i, r in enumerate(rows)
+            if r.k > 0 and (got := self.current(r.request_id, len(r.token_ids))) is not None
+        ]
         if not live:
             return Proposal(draft, num, None)
         b = 1 << (len(live) - 1).bit_length()  # rows padded to a power of two: one compilation per bucket
-        pieces = [s[0][s[1]][None] for _, s in live]
+        pieces = [h[None] for _, h in live]
         h = jnp.concatenate(pieces + [jnp.zeros((b - len(live), pieces[0].shape[-1]), pieces[0].dtype)])
         st = SamplingTensors.from_rows([{}] * len(rows)) if st is None else st
         st_live = pad_sampling(jax.tree.map(lambda a: np.asarray(a)[[i for i, _ in live]], st), b)
