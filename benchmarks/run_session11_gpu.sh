@@ -41,6 +41,13 @@ for f in ('bf16', 'f32'):
     print(f, {m: {k: r.get('identical_to_off') for k, r in v.items()} for m, v in d['methods'].items()})"
   exit 0
 fi
+if [ "$1" = e ]; then  # per-step trace of off vs adaptive at the saturating rate (d's adaptive lost half)
+  timeout 400 python3 benchmarks/spec_load_trace.py --preset smollm2 --rate 128 --num_requests 48 --max_tokens 120 \
+    --max_num_seqs 32 --memory_budget_gb 4 --spec_batch_threshold 8 --out $OUT/spec_load_trace_h200.json \
+    > $OUT/trace.log 2>&1
+  echo "trace rc=$?"; grep -v -i warn $OUT/trace.log | cut -c1-300 | tail -80
+  exit 0
+fi
 if [ "$1" = d ]; then
   timeout 560 python3 benchmarks/spec_load.py --preset smollm2 --rates 3,16,128 --num_requests 48 --max_tokens 120 \
     --max_num_seqs 32 --memory_budget_gb 4 --spec_batch_threshold 8 --warmup serve \
