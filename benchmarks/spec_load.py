@@ -110,7 +110,8 @@ def main(argv=None) -> None:
         "--warmup",
         choices=("engine", "pass", "serve"),
         default="pass",
-        help="pass: the workload once untimed, all at once; serve: that, then the timed schedule once untimed",
+        help="pass: the workload once untimed, all at once; serve: the engine's warm-up, that pass, then the timed "
+        "schedule once untimed (on the H200 the first two alone left compiles inside timed passes)",
     )
     p.add_argument("--out", default="benchmarks/results/spec_load_cpu.json")
     args = p.parse_args(argv)

@@ -177,7 +177,7 @@ def make_engine(model, tokenizer, step: Step, args, prompts, proposer=None):
         attention_backend=step.backend,
         kv_cache_dtype=step.kv_cache_dtype,
         enable_prefix_caching=False,  # a warm-up pass must not leave the timed one cached prompts
-        warmup=args.warmup == "engine",
+        warmup=args.warmup in ("engine", "serve"),  # serve (spec_load): the engine's warm-up, a pass, the schedule
     )
     if args.compilation_cache_dir is not None:
         options["compilation_cache_dir"] = args.compilation_cache_dir

@@ -209,6 +209,19 @@ def test_async_scheduling_is_exact(engine, reference):
     assert outputs[True] == outputs[False]
 
 
+def test_warm_chain_covers_every_chained_gather(engine):
+    """After warm_chain, chained loops whose rows shrink (requests finishing at different lengths) compile no token
+    gather while serving (the engine's warm-up used to leave them to first use)."""
+    from serving.engine.runner import _chain_tokens
+
+    use_scheduler(engine, enable_prefix_caching=False)
+    engine.runner.warm_chain(engine.config.decode_steps)
+    warmed, chained = _chain_tokens._cache_size(), engine.loops.num_chained
+    run(engine, [(p, greedy(m)) for p, m in zip(MIXED_PROMPTS, MIXED_MAX_TOKENS)])
+    assert engine.loops.num_chained > chained
+    assert _chain_tokens._cache_size() == warmed, "a chained loop's gather compiled while serving"
+
+
 def test_greedy_with_prefix_caching_matches_reference(engine, reference):
     sched = use_scheduler(engine, enable_prefix_caching=True)
     requests = [(p, greedy(m)) for p, m in zip(PREFIX_PROMPTS, PREFIX_MAX_TOKENS)]

@@ -156,6 +156,8 @@ class LLMEngine:
             log.info("warm-up: %d/%d executables compiled (%.0f s)", done, total, time.perf_counter() - t0)
 
         self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else (), progress=progress, widths=widths)
+        if c.decode_steps > 1 and self.overlap:
+            self.runner.warm_chain(c.decode_steps)
         one_process = jax.process_count() == 1  # several: logits reach `_sample` from the host (sharding/multihost)
         for s in self.runner.decode_buckets:  # what `_sample` passes: `_take_rows`'s placed [s, V], banned [s, 8]
             if one_process:  # the jit keys on placement: as a step's rows come out of `_take_rows`
