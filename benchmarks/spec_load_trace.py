@@ -4,17 +4,21 @@ speculative loop, a host verify pass), the running batch, the queue, the step's 
     PYTHONPATH=. python benchmarks/spec_load_trace.py --rate 128 --num_requests 48 --max_num_seqs 32 \\
         --memory_budget_gb 4 --spec_batch_threshold 8 --out $OUT/spec_load_trace.json
 
-Each method's engine first serves the schedule once untimed (spec_load's --warmup serve), then once traced.
+Rows: (path, running, waiting, start s, step s, tokens, compiles in the step). Each method's engine first serves the schedule once untimed (spec_load's --warmup serve), then once traced.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
+
+import jax
 
 from benchmarks import spec_load
 from benchmarks import worked_example as we
+from benchmarks.spec_engine import COMPILES
 
 
 def traced_serve(engine, prompts, times, max_tokens: int) -> tuple[dict, list]:
@@ -36,7 +40,7 @@ def traced_serve(engine, prompts, times, max_tokens: int) -> tuple[dict, list]:
 
     def traced_step():
         path["p"] = "plain" if engine._inflight is None else "chained"
-        b, w, t = len(engine.scheduler.running), engine.scheduler.num_waiting, time.perf_counter()
+        b, w, c, t = len(engine.scheduler.running), engine.scheduler.num_waiting, COMPILES.count, time.perf_counter()
         outs = step()
         log.append(
             (
@@ -46,6 +50,7 @@ def traced_serve(engine, prompts, times, max_tokens: int) -> tuple[dict, list]:
                 round(t - t0, 4),
                 round(time.perf_counter() - t, 4),
                 sum(len(o.new_token_ids) for o in outs),
+                COMPILES.count - c,  # XLA compilations inside this step
             )
         )
         return outs
@@ -64,6 +69,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="/tmp/spec_load_trace.json")
     args = p.parse_args(argv)
     args.warmup = "pass"
+    jax.config.update("jax_log_compiles", True)  # counted per step (COMPILES), not printed
+    for name in ("jax._src.dispatch", "jax._src.interpreters.pxla"):
+        logger = logging.getLogger(name)
+        logger.addHandler(COMPILES)
+        logger.propagate = False
     model, tokenizer, label = we.load(args)
     prompts = we.workload_prompts(args, model, tokenizer)
     times = we.arrivals(args.num_requests, args.rate, args.seed)
@@ -78,13 +88,13 @@ def main(argv=None) -> None:
         served, log = traced_serve(engine, prompts, times, args.max_tokens)
         summary = we.summarize(served, times, args.max_tokens)
         by_path = {}
-        for pth, _, _, _, dt, n in log:
+        for pth, _, _, _, dt, n, _ in log:
             a = by_path.setdefault(pth, [0, 0.0, 0])
             a[0], a[1], a[2] = a[0] + 1, a[1] + dt, a[2] + n
         result["methods"][method] = dict(summary=summary, by_path=by_path, steps=log)
         print(method, json.dumps(summary), json.dumps(by_path), flush=True)
         for row in log:
-            if row[0] not in ("plain", "chained") or row[4] > 0.02:
+            if row[0] not in ("plain", "chained") or row[4] > 0.02 or row[6]:
                 print("  ", row)
         del engine
     with open(args.out, "w", encoding="utf-8") as f:
