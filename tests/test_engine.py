@@ -215,7 +215,7 @@ def test_warm_chain_covers_every_chained_gather(engine):
     from serving.engine.runner import _chain_tokens
 
     use_scheduler(engine, enable_prefix_caching=False)
-    engine.runner.warm_chain(engine.config.decode_steps)
+    engine.loops.warm_chain()
     warmed, chained = _chain_tokens._cache_size(), engine.loops.num_chained
     run(engine, [(p, greedy(m)) for p, m in zip(MIXED_PROMPTS, MIXED_MAX_TOKENS)])
     assert engine.loops.num_chained > chained

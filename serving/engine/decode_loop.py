@@ -24,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from model.sampling import SamplingTensors
 from serving.core.request import Request, RequestStatus
 from serving.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from serving.engine.runner import LoopHandle, RowInput
+from serving.engine.runner import LoopHandle, RowInput, _chain_tokens
 
 
 @dataclasses.dataclass
@@ -128,6 +130,17 @@ class DecodeLoops:
         handle = self._dispatch(rows, reqs, counts, [cur.limits[i] for i in index], (cur.handle, index))
         self.num_chained += 1
         return InFlight(list(zip(reqs, starts)), counts, handle)
+
+    def warm_chain(self) -> None:
+        """Compiles a chained loop's token gather (runner._chain_tokens) for every (previous, next) row bucket: a
+        chained loop keeps a subset of the previous loop's rows. The runner's warm-up left them to first use."""
+        buckets, mesh = self.runner.decode_buckets, self.runner.mesh
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None))  # as loops return tokens
+        for prev in buckets:
+            prev_tokens = jax.device_put(jnp.zeros((self.k, prev), jnp.int32), sharding)
+            for s in (b for b in buckets if b <= prev):
+                idx = jnp.asarray(np.zeros(s, np.int32))
+                jax.block_until_ready(_chain_tokens(prev_tokens, idx, idx, np.zeros(s, np.int32)))
 
     def _dispatch(self, rows, reqs, limits, ahead, chain) -> LoopHandle:
         banned = np.full((self.k, len(reqs), 1), -1, np.int32)

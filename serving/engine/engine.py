@@ -158,7 +158,7 @@ class LLMEngine:
         self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else (), progress=progress, widths=widths)
         one_process = jax.process_count() == 1  # several: logits reach `_sample` from the host (sharding/multihost)
         if c.decode_steps > 1 and self.overlap and one_process:
-            self.runner.warm_chain(c.decode_steps)  # chained loops' token gathers
+            self.loops.warm_chain()  # chained loops' token gathers
         for s in self.runner.decode_buckets:  # what `_sample` passes: `_take_rows`'s placed [s, V], banned [s, 8]
             if one_process:  # the jit keys on placement: as a step's rows come out of `_take_rows`
                 logits = _take_rows(self.runner.zero_logits(s), np.zeros(s, np.int32))

@@ -480,16 +480,6 @@ class ModelRunner:
         zeros = jnp.zeros((n, self.cfg.vocab_size), jnp.float32)
         return jax.device_put(zeros, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None)))
 
-    def warm_chain(self, num_steps: int) -> None:
-        """Compiles the chained loop's token gather for every (previous, next) row bucket (a chained loop keeps a
-        subset of the previous loop's rows): the engine's warm-up left them to first use, a compile while serving."""
-        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, None))
-        for prev in self.decode_buckets:
-            prev_tokens = jax.device_put(jnp.zeros((num_steps, prev), jnp.int32), sharding)
-            for s in (b for b in self.decode_buckets if b <= prev):
-                idx = jnp.asarray(np.zeros(s, np.int32))
-                jax.block_until_ready(_chain_tokens(prev_tokens, idx, idx, np.zeros(s, np.int32)))
-
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: page dst := page src in every layer (with its scales, for quantised pages)."""
         if not pairs:
