@@ -99,6 +99,17 @@ class _CompileCounter(logging.Handler):
 COMPILES = _CompileCounter()
 
 
+def count_compiles() -> None:
+    """Turns on jax_log_compiles and routes its records to COMPILES (counted, not printed)."""
+    import jax
+
+    jax.config.update("jax_log_compiles", True)
+    for name in ("jax._src.dispatch", "jax._src.interpreters.pxla"):
+        logger = logging.getLogger(name)
+        logger.addHandler(COMPILES)
+        logger.propagate = False
+
+
 def _run(llm: LLM, spec, prompts: list[list[int]], max_tokens: int, device_loop: bool = False) -> dict:
     engine = llm.engine
     compiles = COMPILES.count
@@ -194,11 +205,7 @@ def main():
     args = ap.parse_args()
     import jax
 
-    jax.config.update("jax_log_compiles", True)  # counted per pass (COMPILES), not printed
-    for name in ("jax._src.dispatch", "jax._src.interpreters.pxla"):
-        logger = logging.getLogger(name)
-        logger.addHandler(COMPILES)
-        logger.propagate = False
+    count_compiles()  # per pass
 
     options = dict(
         max_model_len=1024,

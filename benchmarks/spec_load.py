@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import subprocess
 import time
 
 import jax
 
 from benchmarks import worked_example as we
-from benchmarks.spec_engine import COMPILES
+from benchmarks.spec_engine import COMPILES, count_compiles
 
 METHODS = ("off", "always", "adaptive")
 
@@ -62,11 +61,7 @@ def run(args) -> dict:
                     seqs, [len(p) for p in prompts], args.replay_acceptance, model.cfg.vocab_size, 0
                 )
             engine, capacity, _ = we.make_engine(model, tokenizer, step, args, prompts, proposer)
-            if args.warmup in ("pass", "serve"):
-                we.warm(engine, prompts, args.max_tokens)
-            we.warm_rows(engine)
-            if args.warmup == "serve":  # the same schedule once untimed: the timed one meets no new shape
-                we.serve(engine, prompts, times, args.max_tokens)
+            warm_up(engine, args, prompts, times)
             trials = we.Trials(engine.spec.proposer) if engine.spec is not None else None
             compiles = COMPILES.count
             served = we.serve(engine, prompts, times, args.max_tokens)
@@ -82,6 +77,15 @@ def run(args) -> dict:
     result["goals"] = goals(result["rows"])
     print(json.dumps(result["goals"]), flush=True)
     return result
+
+
+def warm_up(engine, args, prompts, times) -> None:
+    """What --warmup asks for after the engine's own warm-up (make_engine runs that for engine and serve)."""
+    if args.warmup in ("pass", "serve"):
+        we.warm(engine, prompts, args.max_tokens)
+    we.warm_rows(engine)
+    if args.warmup == "serve":  # the same schedule once untimed: the timed one meets no new shape
+        we.serve(engine, prompts, times, args.max_tokens)
 
 
 def goals(rows: list[dict]) -> dict:
@@ -115,11 +119,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--out", default="benchmarks/results/spec_load_cpu.json")
     args = p.parse_args(argv)
-    jax.config.update("jax_log_compiles", True)  # counted per timed pass (COMPILES), not printed
-    for name in ("jax._src.dispatch", "jax._src.interpreters.pxla"):
-        logger = logging.getLogger(name)
-        logger.addHandler(COMPILES)
-        logger.propagate = False
+    count_compiles()  # per timed pass
     result = run(args)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)

@@ -4,21 +4,19 @@ speculative loop, a host verify pass), the running batch, the queue, the step's 
     PYTHONPATH=. python benchmarks/spec_load_trace.py --rate 128 --num_requests 48 --max_num_seqs 32 \\
         --memory_budget_gb 4 --spec_batch_threshold 8 --out $OUT/spec_load_trace.json
 
-Rows: (path, running, waiting, start s, step s, tokens, compiles in the step). Each method's engine first serves the schedule once untimed (spec_load's --warmup serve), then once traced.
+Rows: (path, running, waiting, start s, step s, tokens, compiles in the step). Each method's engine is warmed as spec_load's --warmup serve warms it (the engine's warm-up, a pass,
+the schedule once untimed), then serves the schedule once traced.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import time
-
-import jax
 
 from benchmarks import spec_load
 from benchmarks import worked_example as we
-from benchmarks.spec_engine import COMPILES
+from benchmarks.spec_engine import COMPILES, count_compiles
 
 
 def traced_serve(engine, prompts, times, max_tokens: int) -> tuple[dict, list]:
@@ -68,12 +66,8 @@ def main(argv=None) -> None:
     p.add_argument("--methods", default="off,adaptive")
     p.add_argument("--out", default="/tmp/spec_load_trace.json")
     args = p.parse_args(argv)
-    args.warmup = "pass"
-    jax.config.update("jax_log_compiles", True)  # counted per step (COMPILES), not printed
-    for name in ("jax._src.dispatch", "jax._src.interpreters.pxla"):
-        logger = logging.getLogger(name)
-        logger.addHandler(COMPILES)
-        logger.propagate = False
+    args.warmup = "serve"  # spec_load's: the engine's warm-up, a pass, the schedule once untimed
+    count_compiles()  # per step
     model, tokenizer, label = we.load(args)
     prompts = we.workload_prompts(args, model, tokenizer)
     times = we.arrivals(args.num_requests, args.rate, args.seed)
@@ -82,9 +76,7 @@ def main(argv=None) -> None:
         engine, _, _ = we.make_engine(
             model, tokenizer, spec_load._step(method, args.spec_batch_threshold), args, prompts
         )
-        we.warm(engine, prompts, args.max_tokens)
-        we.warm_rows(engine)
-        we.serve(engine, prompts, times, args.max_tokens)
+        spec_load.warm_up(engine, args, prompts, times)
         served, log = traced_serve(engine, prompts, times, args.max_tokens)
         summary = we.summarize(served, times, args.max_tokens)
         by_path = {}
