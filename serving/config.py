@@ -30,7 +30,6 @@ from sharding.config import ParallelConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_COMPILATION_CACHE_DIR = os.path.join("~", ".cache", "pallas-serve", "xla")
-DEVICE_LOOP_METHODS = ("ngram", "medusa")  # the proposers that draft inside the on-device loop (spec_loop.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on an accelerator, float32 on a CPU
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 POLICIES = ("fcfs", "priority")
@@ -192,8 +191,8 @@ class SpeculativeConfig:
         speculative_batch_threshold: speculate only while fewer than this many sequences run (k shrinks
             geometrically on the way there, serving/core/spec_policy.py); 0: at any batch size.
         speculative_draft_layers: layers of the target the "self" draft runs (0: half of them; method "self" only).
-        device_loop: methods "ngram" and "medusa": draft, verify and accept inside the on-device decode loop
-            (serving/engine/spec_loop.py) when every row could loop; False: one host round trip per verify pass.
+        device_loop: draft, verify and accept inside the on-device decode loop (serving/engine/spec_loop.py) when
+            every row could loop; False: one host round trip per verify pass.
     """
 
     method: str | None = None
@@ -219,8 +218,8 @@ class SpeculativeConfig:
         if self.speculative_draft_layers and self.method != "self":
             raise ValueError("speculative_draft_layers needs speculative_method='self'")
         _check(isinstance(self.device_loop, bool), "speculative_device_loop", self.device_loop, "a bool")
-        if not self.device_loop and self.method not in DEVICE_LOOP_METHODS:  # the others: off would do nothing
-            raise ValueError(f"speculative_device_loop=False needs speculative_method in {DEVICE_LOOP_METHODS}")
+        if not self.device_loop and self.method is None:
+            raise ValueError("speculative_device_loop=False needs speculative_method (speculative decoding is off)")
 
 
 @dataclasses.dataclass(frozen=True)

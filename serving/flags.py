@@ -83,7 +83,7 @@ flags.DEFINE_integer(
 flags.DEFINE_bool(
     "speculative_device_loop",
     _D.speculative.device_loop,
-    "n-gram and medusa speculation inside the on-device decode loop",
+    "speculation (every method) inside the on-device decode loop",
 )
 flags.DEFINE_enum("quantization", _D.quantization.method, list(QUANTIZATIONS), "weight quantisation, done at load")
 flags.DEFINE_string(

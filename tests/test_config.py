@@ -57,7 +57,7 @@ REFUSED = dict(
     expert_parallel_size=2,
     speculative_method="ngram",
     num_speculative_tokens=2,  # refused alone: it needs a method
-    speculative_device_loop=False,  # refused alone: it needs speculative_method="ngram"
+    speculative_device_loop=False,  # refused alone: it needs a method
     speculative_model="draft.gguf",  # refused alone: it needs method "draft"
     speculative_batch_threshold=4,  # refused alone: it needs a method
     speculative_draft_layers=4,  # refused alone: it needs method "self"

@@ -27,9 +27,10 @@ from serving.config import EngineConfig
 from serving.core.request import SamplingParams
 from serving.core.spec_policy import SpecPolicy
 from serving.engine import spec_loop
+from serving.engine.draft_model import ModelDraftProposer, make_model_proposer
 from serving.engine.engine import LLMEngine
 from serving.engine.proposers import NgramProposer
-from serving.engine.runner import RowInput
+from serving.engine.runner import ModelRunner, RowInput
 from serving.engine.speculate import policy_config
 from serving.speculative import processed_target_probs
 
@@ -160,7 +161,7 @@ def test_greedy_device_loop_matches_host_path_and_off(tiny, monkeypatch):
     def checked(rows, limits, draft_on):  # what each loop returns adds up, within the rows' limits
         res = dispatch(rows, limits, draft_on)
         assert np.all(res.counts <= limits) and np.array_equal(res.counts, res.emitted.sum(axis=0))
-        assert set(res.drafted.ravel().tolist()) <= {0, 3}
+        assert set(res.drafted.ravel().tolist()) <= {0, 1, 2, 3}  # k = 3, fewer where the row's limit is near
         d, e = res.drafted, res.emitted
         loops[:] += [np.sum(d > 0), d.sum(), np.where(d > 0, e - 1, 0).sum(), np.where(d > 0, e, 0).sum()]
         return res
@@ -175,7 +176,7 @@ def test_greedy_device_loop_matches_host_path_and_off(tiny, monkeypatch):
     monkeypatch.setattr(tiny.spec, "step", host_step)
     before = _totals(c)
     assert _run(tiny, reqs, "device") == off
-    assert loops[1] > 0 and loops[1] == 3 * loops[0]  # the loops drafted, k = 3 per drafting pass
+    assert 0 < loops[1] <= 3 * loops[0] and loops[1] > 2 * loops[0]  # the loops drafted, k = 3 per pass mostly
     np.testing.assert_array_equal(_totals(c) - before, loops + host)  # the counters are fed from the loops
     assert _run(tiny, reqs, "host") == off
     assert [len(o) for o in off] == [37, 9, 22, 5]
@@ -206,6 +207,45 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert _run(tiny, reqs, "device") == a
     assert a[0] != a[1]
     assert all(len(o) == 30 for o in a)
+
+
+# Model drafts on device (a draft model with its own paged KV, self-speculation) -----------------------------------
+
+
+def _model_proposer(engine, kind: str):
+    """'twin': the target itself as a draft model with its own KV pool (float32: every draft must be accepted, which
+    holds only while the loop keeps the draft KV complete); 'self': the target's first layer on its own KV."""
+    r = engine.runner
+    if kind == "self":
+        return make_model_proposer("self", r, nnx.merge(r.graphdef, r.params), engine.config.speculative, None)
+    twin = ModelRunner(
+        nnx.merge(r.graphdef, r.params),
+        num_blocks=r.num_blocks,
+        block_size=r.block_size,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.token_buckets[-1],
+        max_model_len=r.max_blocks * r.block_size,
+        attention_backend=r.backend,
+    )
+    return ModelDraftProposer(twin, "draft")
+
+
+@pytest.mark.parametrize("kind", ["twin", "self"])
+def test_model_drafts_in_the_device_loop_match_off(tiny, monkeypatch, kind):
+    reqs = _tiny_requests()
+    off = _run(tiny, reqs, "off")
+    monkeypatch.setattr(tiny.spec, "proposer", _model_proposer(tiny, kind))
+    c = tiny.spec.counters
+    before = _totals(c)
+    keys = {k for k in tiny.runner._compiled if k[0] == "draft_loop"}
+    assert _run(tiny, reqs, "device") == off
+    passes, drafted, accepted, _ = _totals(c) - before
+    assert {k for k in tiny.runner._compiled if k[0] == "draft_loop"} > keys  # the draft loop ran
+    assert passes > 0 and 2 * passes < drafted <= 3 * passes
+    if kind == "twin":  # the host's verify passes (mixed steps) and the loops' alike
+        assert accepted == drafted, (accepted, drafted)
+    assert _run(tiny, reqs, "host") == off
+    assert tiny.step() == [] and not tiny.spec.proposer.tracked  # an idle step releases the finished rows' state
 
 
 # The distribution of sampled rows -------------------------------------------------------------------------------
@@ -334,7 +374,7 @@ def test_smollm2_greedy_identical_and_counters(smol, monkeypatch):
     before = (c.passes, c.drafted, c.accepted, c.emitted)
     assert _run(engine, reqs, "device") == off
     passes, drafted, accepted, emitted = (a - b for a, b in zip((c.passes, c.drafted, c.accepted, c.emitted), before))
-    assert drafted == 3 * passes and emitted == accepted + passes
+    assert 2 * passes < drafted <= 3 * passes and emitted == accepted + passes
     assert [drafted, accepted] == [sum(v[0] for v in per_row.values()), sum(v[1] for v in per_row.values())]
     assert per_row[0][1] > 0  # the code is copied: drafts accepted
     assert per_row[2][1] > 0.8 * per_row[2][0], per_row  # the repeating pattern
@@ -347,15 +387,21 @@ HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
-def test_device_loop_on_gpu_kernels_matches_off():
+@pytest.mark.parametrize("kind", ["ngram", "twin"])
+def test_device_loop_on_gpu_kernels_matches_off(kind):
     """The tiny model on the default kernels (CPU tests run the XLA reference; the interpreter of the Pallas kernel
-    agreed by hand): greedy tokens of the device loop equal plain decoding's, with drafts accepted."""
+    agreed by hand): greedy tokens of the device loop equal plain decoding's, with drafts accepted (the twin draft
+    model, whose draft steps run the paged decode kernel inside the loop: nearly all)."""
     options = dict(OPTIONS, attention_backend=None, max_num_seqs=4, block_size=16, num_kv_blocks=64)
     engine = _always_drafting(
         LLMEngine(random_model(TINY, jnp.float32, seed=7), NullTokenizer(), EngineConfig.from_kwargs(**options))
     )
+    if kind == "twin":
+        engine.spec.proposer = _model_proposer(engine, "twin")
     reqs = _tiny_requests()
     off = _run(engine, reqs, "off")
     c = engine.spec.counters
     assert _run(engine, reqs, "device") == off
     assert c.accepted > 0 and c.drafted > 0
+    if kind == "twin":
+        assert c.accepted > 0.9 * c.drafted

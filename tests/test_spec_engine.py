@@ -141,16 +141,21 @@ def proposers(llm):
     )
 
 
-@pytest.mark.parametrize("name", ["ngram", "self", "draft", "weak"])
+@pytest.mark.parametrize("name", ["ngram", "self", "draft", "weak", "draft_host"])
 def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(llm, prompts, reference, proposers, name):
+    """Every proposer drafts inside the on-device loop where a step allows it (decode rows only) and verifies on
+    the host otherwise; "draft_host" verifies every pass on the host."""
     engine = llm.engine
     sched = _use_scheduler(engine, num_blocks=12)  # 11 blocks of 16 for 4 requests of 72-110 tokens
-    loops_before = engine.num_decode_loops
-    with _speculating(engine, _decoder(engine, proposers[name])) as spec:
+    loops_before, spec_loops_before = engine.num_decode_loops, engine.spec_loops.num_loops
+    engine.spec_loops.enabled = name != "draft_host"
+    with _speculating(engine, _decoder(engine, proposers[name.removesuffix("_host")])) as spec:
         tracks, most = _run(
             engine, [(p, SamplingParams(max_tokens=m, temperature=0.0)) for p, m in zip(prompts, MAX_TOKENS)]
         )
         assert engine.step() == []  # an idle step releases the state kept for finished requests
+    engine.spec_loops.enabled = True
+    assert (engine.spec_loops.num_loops > spec_loops_before) == (name != "draft_host")
     assert not spec.policy.tracked and not getattr(spec.proposer, "tracked", set())
     for i, t in enumerate(tracks):
         assert t.request.output_token_ids == reference[i], f"{name}: request {i}"
@@ -158,7 +163,7 @@ def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(llm, 
     assert sched.num_preemptions > 0 and sched.stats().prefix_hit_tokens > 0
     assert m["passes"] > 0 and m["emitted"] == m["accepted"] + m["passes"]
     assert m["accepted"] < m["drafted"]  # some drafts were rejected (and rolled back: the block check in _run)
-    if name in ("ngram", "draft"):
+    if name in ("ngram", "draft", "draft_host"):
         assert most > 1 and m["acceptance_rate"] > 0.3  # several tokens per step reach the stream
     if name == "weak":  # many rejections; then the policy rests the requests (probes only) and loops decode
         assert m["drafted"] - m["accepted"] > 5 and engine.num_decode_loops > loops_before

@@ -142,6 +142,12 @@ class ModelDraftProposer(Proposer):
         if n is not None and self._target is None:
             self._valid[request_id] = n + min(num_accepted, k - 1)
 
+    def loop_done(self, request_id: Any, valid: int, block_table: Sequence[int]) -> None:
+        """The on-device speculative loop (spec_loop.py) left the draft KV right below `valid` on this table."""
+        self._proposed.pop(request_id, None)
+        if self._target is None:
+            self._valid[request_id], self._tables[request_id] = valid, list(block_table)
+
     def release(self, request_id: Any) -> None:
         for d in (self._valid, self._tables, self._proposed):
             d.pop(request_id, None)

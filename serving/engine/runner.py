@@ -242,21 +242,21 @@ class ModelRunner:
 
         return jax.jit(loop, donate_argnums=(1,))
 
-    def _executable(self, key: tuple, build, args):
+    def _executable(self, key: tuple, build, args, out_tree=None):
         """The executable for `key`; `args` (abstract arguments, or a function making them) only on a miss."""
         exe = self._compiled.get(key)
         if exe is None:
             args = args() if callable(args) else args
-            exe = self._from_disk(key, args)
+            exe = self._from_disk(key, args, out_tree)
             if exe is None:
                 exe = build().lower(*args).compile()
                 self._cache.store(key, args, self.mesh, exe)
                 self._keep(key, exe)
         return exe
 
-    def _from_disk(self, key: tuple, args):
-        """The executable for `key` from the executable cache (kept), or None."""
-        exe = self._cache.load(key, args, self.mesh, self._out_tree(key))
+    def _from_disk(self, key: tuple, args, out_tree=None):
+        """The executable for `key` from the executable cache (kept), or None; out_tree: its outputs' structure."""
+        exe = self._cache.load(key, args, self.mesh, out_tree or self._out_tree(key))
         if exe is not None:
             self._keep(key, exe)
         return exe

@@ -14,6 +14,11 @@ decode loop (runner._loop_fn), so the round trip is paid once per loop. Per iter
               from iteration to iteration, in and out of the loop through MedusaProposer.record): k tokens drawn
               from each head's processed q (head_proposer.draw_drafts, the host path's rule); a row without a
               current h drafts nothing in its first iteration, whose verify pass yields one
+              draft model / self-speculation: k + 1 greedy decode steps of the draft from the row's last token
+              (`model_drafts`; q one-hot), writing the draft's own paged KV (same block ids, its pool; self: the
+              target's first L layers, which the verify pass then overwrites): the (k+1)-th step's token is
+              dropped, its KV write keeps the draft KV complete when every draft is accepted, so after a accepted
+              drafts the draft KV is right up to the row's new last token and the next iteration needs no catch-up
     verify    one ragged pass of k + 1 query tokens per row (cu_q_lens = (k + 1) * row), logits at every one
     accept    greedy rows: the longest prefix of drafts equal to the argmax, then the argmax; sampled rows:
               rejection_sample on processed_target_probs with q (one-hot for n-gram), keys row_keys(seed, tokens
@@ -27,7 +32,8 @@ when the loop ends (the scheduler rolls nothing back: the next step writes them 
 start + limit (the blocks reserved, DecodeLoops._reserve) go to the null page; the block table is padded inside the
 loop so the kernel never reads past it. A row past its limit, or stopped, writes only the null page.
 
-The engine takes this path when speculation is on with the n-gram or medusa proposer, `speculative_device_loop` is
+The engine takes this path when speculation is on with any proposer (draft model: the host's catch-up makes its KV
+right below each row's last token first, ModelDraftProposer._catch_up), `speculative_device_loop` is
 set, the policy gives some row drafts (medusa: also when it gives none, so the hidden states stay current), and every
 row is a decode row that a plain decode loop could take (no stop strings, penalties, logprobs, min_tokens, grammar
 or logit bias: DecodeLoops._row_limit). With one compiled k the pass costs
@@ -51,8 +57,9 @@ from model.kv import PagedMeta
 from model.sampling import SamplingTensors
 from serving.core.request import Request, RequestStatus
 from serving.core.scheduler_output import SchedulerOutput
+from serving.engine.draft_model import ModelDraftProposer
 from serving.engine.head_proposer import MedusaProposer, draw_drafts
-from serving.engine.proposers import NgramProposer
+from serving.engine.proposers import NgramProposer, ProposalRow
 from serving.engine.runner import pad_sampling
 from serving.speculative import processed_target_probs, rejection_sample, row_keys
 
@@ -104,6 +111,26 @@ def ngram_drafts(hist_sh, length_s, k: int, max_n: int, min_n: int, max_history:
     return drafts.astype(jnp.int32), found
 
 
+def model_drafts(model, kv, tok_s, pos_s, tables, active_s, cover_s, steps: int, k: int, meta_args: tuple):
+    """(drafts int32 [S, k], kv): `steps` (k or k + 1) greedy decode steps of `model` from tokens tok_s at positions
+    pos_s, each writing its input's KV (positions at or past cover_s, or of inactive rows: the null page)."""
+    s = tok_s.shape[0]
+    rows, cu, bs = jnp.arange(s), jnp.arange(s + 1, dtype=jnp.int32), meta_args[0]
+
+    def body(j, carry):
+        tok, kv, drafts = carry
+        pos = pos_s + j
+        real = active_s & (pos < cover_s)
+        slots = jnp.where(real, tables[rows, jnp.minimum(pos // bs, tables.shape[1] - 1)] * bs + pos % bs, 0)
+        meta = PagedMeta(slots, tables, jnp.where(active_s, pos + 1, 0), cu, jnp.int32(s), True, *meta_args[1:])
+        logits, kv = model(tok[None], pos[None], kv, meta, rows[None], active_s[None])
+        nxt = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
+        return nxt, kv, drafts.at[:, j].set(nxt, mode="drop")  # step k's token is dropped: its KV write is the point
+
+    _, kv, drafts = jax.lax.fori_loop(0, steps, body, (tok_s, kv, jnp.zeros((s, k), jnp.int32)))
+    return drafts, kv
+
+
 def accept(logits_skv, drafts_sk, num_draft_s, st: SamplingTensors, draft_probs=None):
     """(tokens [S, k+1], num_emitted [S]) of one verify pass: greedy rows take the argmax chain up to the first
     draft that differs; sampled rows (temperature > 0) the rejection rule on the processed target probs against
@@ -131,7 +158,10 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
     `drafter`: ("ngram", max_n, min_n, max_history), prompt lookup on the history; or ("medusa", heads graphdef),
     trained heads on the hidden state whose logits drew the row's last token. The medusa loop takes three more
     arguments, (heads state, h [S, D], has_h [S] bool: h is current), and returns (stats, h, has_h) in place of
-    stats: a row without a current h drafts nothing in its first iteration, whose verify pass records one.
+    stats: a row without a current h drafts nothing in its first iteration, whose verify pass records one. Or
+    ("model", draft graphdef, L): a draft model's greedy steps; L = 0: its own paged KV, the loop takes (draft
+    params, draft kv) more and returns (stats, draft kv) in place of stats (the draft kv donated); L > 0
+    (self-speculation): the target's first L layers' KV, the loop takes the draft params more.
 
     stats row 0: tokens each row emitted; rows 1..num_steps: drafts per iteration; the last num_steps rows: tokens
     emitted per iteration. The output tree is the plain loop's (tokens, one array or the medusa triple, kv,
@@ -139,23 +169,35 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
     """
     graphdef, backend, bs, mesh, cfg = runner.graphdef, runner.backend, runner.block_size, runner.mesh, runner.cfg
     k1 = k + 1
-    medusa = drafter[0] == "medusa"
+    medusa, kind = drafter[0] == "medusa", drafter[0]
+    shared = drafter[2] if kind == "model" else 0  # self-speculation: the draft's KV is the target's first layers
 
-    def draft(model, heads, hist, length, h, has_h, st_i):
-        """(drafts [S, k], found [S], q [S, k, V] or None) for this iteration."""
-        if medusa:
-            drafts, q = draw_drafts(heads, model, h, st_i, k)
-            return drafts, has_h, q
-        return (*ngram_drafts(hist, length, k, *drafter[1:]), None)
-
-    def loop(params, kv, hist, length, offset, tables, limits, draft_on, stop_ids, st, heads=None, h=None, has_h=None):
+    def loop(params, kv, hist, length, offset, tables, limits, draft_on, stop_ids, st, *extra):
         model = nnx.merge(graphdef, params)
-        heads = nnx.merge(drafter[1], heads) if medusa else None
         s = hist.shape[0]
         rows = jnp.arange(s)
         cu = (jnp.arange(s + 1) * k1).astype(jnp.int32)
         cover = offset + length - 1 + limits  # positions below this have reserved blocks
         tables = jnp.pad(tables, ((0, 0), (0, -(-k1 // bs) + 1)))  # kv_len up to cover + k stays inside the table
+        aux = ()  # what the drafter carries: medusa (h, has_h), a draft model its own KV
+        if medusa:
+            heads, aux = nnx.merge(drafter[1], extra[0]), tuple(extra[1:])
+        elif kind == "model":
+            dmodel, aux = nnx.merge(drafter[1], extra[0]), (() if shared else extra[1])
+
+        def draft(hist, length, aux, kv, active, st_i):
+            """(drafts [S, k], found [S], q [S, k, V] or None, aux, kv) for this iteration."""
+            if medusa:
+                drafts, q = draw_drafts(heads, model, aux[0], st_i, k)
+                return drafts, aux[1], q, aux, kv
+            if kind == "model":
+                dkv = list(kv[:shared]) if shared else aux
+                tok, pos, meta_args = hist[rows, length - 1], offset + length - 1, (bs, backend, mesh)
+                drafts, dkv = model_drafts(dmodel, dkv, tok, pos, tables, active, cover, k + (not shared), k, meta_args)
+                kv, aux = ([*dkv, *kv[shared:]], aux) if shared else (kv, dkv)
+                return drafts, jnp.ones(s, bool), None, aux, kv
+            return (*ngram_drafts(hist, length, k, *drafter[1:]), None, aux, kv)
+
         j = jnp.arange(k1)[None, :]
         out_len = num_steps * k1
 
@@ -164,11 +206,12 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
             return (i < num_steps) & jnp.any((count < limits) & ~done)
 
         def body(carry):
-            i, hist, length, kv, out_tok, count, done, stats, routed, (h, has_h) = carry
+            i, hist, length, kv, out_tok, count, done, stats, routed, aux = carry
             active = (count < limits) & ~done
             st_i = dataclasses.replace(st, step=st.step + count)
-            drafts, found, q = draft(model, heads, hist, length, h, has_h, st_i)
-            num_draft = jnp.where(found & (draft_on > 0) & active, k, 0).astype(jnp.int32)
+            drafts, found, q, aux, kv = draft(hist, length, aux, kv, active, st_i)
+            room = jnp.clip(limits - count - 1, 0, k)  # drafts past the row's limit could never be emitted
+            num_draft = jnp.where(found & (draft_on > 0) & active, room, 0).astype(jnp.int32)
             pos = (offset + length - 1)[:, None] + j  # [S, k+1]
             tok = jnp.concatenate([hist[rows, length - 1][:, None], drafts], axis=1)
             real = active[:, None] & (pos < cover[:, None])
@@ -192,21 +235,23 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
             stats = stats.at[1 + i].set(num_draft).at[1 + num_steps + i].set(n_emit)
             count = count + n_emit
             if medusa:  # the state at the last emitted token's query index drew it: the next drafts continue it
-                h_new = hidden[0][0].reshape(s, k1, -1)[rows, jnp.maximum(n_emit - 1, 0)]
-                h, has_h = jnp.where((n_emit > 0)[:, None], h_new.astype(h.dtype), h), has_h | (n_emit > 0)
-            carry = hist, length + n_emit, kv, out_tok, count, done | stopped, stats, routed + counts, (h, has_h)
+                (h, has_h), h_new = aux, hidden[0][0].reshape(s, k1, -1)[rows, jnp.maximum(n_emit - 1, 0)]
+                aux = jnp.where((n_emit > 0)[:, None], h_new.astype(h.dtype), h), has_h | (n_emit > 0)
+            carry = hist, length + n_emit, kv, out_tok, count, done | stopped, stats, routed + counts, aux
             return i + 1, *carry
 
         zeros = jnp.zeros(s, jnp.int32)
         routed = jnp.zeros((cfg.num_layers, cfg.num_experts), jnp.int32)
         out_tok = jnp.zeros((out_len, s), jnp.int32)
         stats = jnp.zeros((1 + 2 * num_steps, s), jnp.int32)
-        init = (jnp.int32(0), hist, length, kv, out_tok, zeros, zeros > 0, stats, routed, (h, has_h))
-        _, _, _, kv, out_tok, count, _, stats, routed, (h, has_h) = jax.lax.while_loop(cond, body, init)
+        init = (jnp.int32(0), hist, length, kv, out_tok, zeros, zeros > 0, stats, routed, aux)
+        _, _, _, kv, out_tok, count, _, stats, routed, aux = jax.lax.while_loop(cond, body, init)
         stats = stats.at[0].set(count)
-        return out_tok, (stats, h, has_h) if medusa else stats, kv, routed
+        own_kv = kind == "model" and not shared
+        return out_tok, (stats, *aux) if medusa else (stats, aux) if own_kv else stats, kv, routed
 
-    return jax.jit(loop, donate_argnums=(1,))
+    own_kv = kind == "model" and not shared
+    return jax.jit(loop, donate_argnums=(1, 11) if own_kv else (1,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +285,10 @@ class SpecLoops:
     num_steps = property(lambda self: max(1, self._engine.config.decode_steps))
 
     @property
-    def proposer(self) -> NgramProposer | MedusaProposer | None:
+    def proposer(self) -> NgramProposer | MedusaProposer | ModelDraftProposer | None:
         spec = self.spec
-        ok = self.enabled and spec is not None and isinstance(spec.proposer, NgramProposer | MedusaProposer)
+        kinds = NgramProposer | MedusaProposer | ModelDraftProposer
+        ok = self.enabled and spec is not None and isinstance(spec.proposer, kinds)
         # Several processes replay the leader's runner calls (sharding/multihost.py), which know no spec loop yet:
         # there the host verify path runs.
         return spec.proposer if ok and jax.process_count() == 1 else None
@@ -252,11 +298,17 @@ class SpecLoops:
         return self.spec.max_k
 
     medusa = property(lambda self: isinstance(self.proposer, MedusaProposer))
+    model_draft = property(lambda self: isinstance(self.proposer, ModelDraftProposer))
+
+    @property
+    def own_kv(self) -> bool:
+        """A draft model with a paged KV pool of its own (self-speculation uses the target's first layers')."""
+        return self.model_draft and self.proposer._target is None
 
     @property
     def searched(self) -> int:
-        """The tail of a row's tokens the loop starts from: what prompt lookup searches (medusa: the last token)."""
-        return 1 if self.medusa else self.proposer.max_history
+        """The tail of a row's tokens the loop starts from: what prompt lookup searches (else: the last token)."""
+        return self.proposer.max_history if isinstance(self.proposer, NgramProposer) else 1
 
     @property
     def history(self) -> int:
@@ -269,6 +321,8 @@ class SpecLoops:
         p, head = self.proposer, (self.num_steps, self.k, s, w, self.history)
         if self.medusa:
             return ("medusa_loop", *head, repr(p.heads[0]), self._tag)
+        if self.model_draft:
+            return ("draft_loop", *head, repr(p.runner.graphdef), self.own_kv, self._tag)
         return ("spec_loop", *head, p.max_n, p.min_n, p.max_history, self._tag)
 
     def _args(self, s: int, w: int):
@@ -278,6 +332,9 @@ class SpecLoops:
         r = self.runner
         hist = i32(s, self.history)
         args = (r.params, r.kv_cache, hist, i32(s), i32(s), i32(s, w), i32(s), i32(s), i32(s, MAX_STOP_IDS), st)
+        if self.model_draft:
+            d = self.proposer.runner
+            return (*args, shaped(d.params), *([shaped(d.kv_cache)] if self.own_kv else []))
         if not self.medusa:
             return args
         h = jax.ShapeDtypeStruct((s, r.cfg.hidden_size), r.dtype)
@@ -285,8 +342,17 @@ class SpecLoops:
 
     def _build(self):
         p = self.proposer
-        drafter = ("medusa", p.heads[0]) if self.medusa else ("ngram", p.max_n, p.min_n, p.max_history)
+        if self.model_draft:
+            drafter = ("model", p.runner.graphdef, 0 if self.own_kv else p.runner.cfg.num_layers)
+        else:
+            drafter = ("medusa", p.heads[0]) if self.medusa else ("ngram", p.max_n, p.min_n, p.max_history)
         return spec_loop_fn(self.runner, self.num_steps, self.k, drafter)
+
+    def _out_tree(self, key: tuple):
+        """The loop's output structure (the runner's for a loop, but for a draft model's own KV beside the stats)."""
+        if not self.own_kv:
+            return None
+        return jax.tree.structure((0, (0, self.proposer.runner.kv_cache), self.runner.kv_cache, 0))
 
     # Before and after the scheduler --------------------------------------------------------------------------
 
@@ -332,6 +398,9 @@ class SpecLoops:
         ]
         if min(limits) < 1 or not self._engine.loops._reserve(reqs, limits):
             return None
+        if self.own_kv:  # the draft's KV right below each row's last token (its loop keeps it so from there)
+            p = self.proposer
+            p._catch_up([(row, p._valid_from(row)) for row in self._rows(reqs)])
         res = self.dispatch(reqs, limits, [draft_on[r.request_id] for r in reqs])
         sampled, computed = {}, {}
         c, policy = self.spec.counters, self.spec.policy
@@ -378,13 +447,23 @@ class SpecLoops:
             ids = (list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids)))[:MAX_STOP_IDS]
             stops[i, : len(ids)] = ids
         st = pad_sampling(self._sampling_tensors(reqs), s)
-        exe = r._executable(self._key(s, w), self._build, lambda: self._args(s, w))
+        key = self._key(s, w)
+        exe = r._executable(key, self._build, lambda: self._args(s, w), self._out_tree(key))
         args = (hist, length, offset, tables, lim, on, stops, st)
         if self.medusa:
             args = (*args, self.proposer.heads[1], *self._hidden_in(reqs, s))
+        if self.model_draft:
+            d = self.proposer.runner
+            args = (*args, d.params, *([d.kv_cache] if self.own_kv else []))
         out_tok, stats, r.kv_cache, routed = exe(r.params, r.kv_cache, *args)
         r._count_routed(routed)
         self.num_loops += 1
+        if self.own_kv:
+            stats, d.kv_cache = stats
+        if self.model_draft:  # the draft's KV is right below each row's new last token, on its present table
+            counts = np.asarray(stats[0])
+            for i, req in enumerate(reqs):
+                self.proposer.loop_done(req.request_id, req.num_tokens + int(counts[i]) - 1, req.block_ids)
         if self.medusa:
             stats, h, has_h = stats
             counts, has_h = np.asarray(stats[0]), np.asarray(has_h)
@@ -395,6 +474,10 @@ class SpecLoops:
         tokens, stats = np.asarray(out_tok)[:, :n], np.asarray(stats)[:, :n]
         m = self.num_steps
         return SpecLoopResult(tokens, stats[0], stats[1 : 1 + m], stats[1 + m :])
+
+    @staticmethod
+    def _rows(reqs: Sequence[Request]) -> list[ProposalRow]:
+        return [ProposalRow(r.request_id, r.all_token_ids, 0, block_table=r.block_ids) for r in reqs]
 
     def _hidden_in(self, reqs: Sequence[Request], s: int):
         """(h [s, D], has_h [s]): each row's recorded hidden state, where it is current (the host verify path or an
@@ -416,7 +499,7 @@ class SpecLoops:
         for w in r.width_buckets if widths is None else widths:
             for s in [b for b in r.decode_buckets if b < 2 * cap]:  # up to the bucket holding cap
                 key, args = self._key(s, w), self._args(s, w)
-                if key not in r._compiled and r._from_disk(key, args) is None:
+                if key not in r._compiled and r._from_disk(key, args, self._out_tree(key)) is None:
                     todo.append((key, args))
         threads = threads or max(1, (os.cpu_count() or 2) // 2)
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
