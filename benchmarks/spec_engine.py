@@ -9,8 +9,8 @@ KV), `draft` (a separate draft model with its own paged KV: the target's first -
 --draft_model, a checkpoint path, e.g. SmolLM2 itself for the acceptance ceiling), `medusa` (trained heads on the
 target's last hidden state, --medusa_heads: a checkpoint dir from serving/train_heads.py; --k <= its heads). `ngram` is the
 host path (one host round trip per verify pass); `ngram_device` drafts, verifies and accepts inside the on-device
-decode loop (serving/engine/spec_loop.py, the engine's default for n-gram), and `medusa_device` does the same
-with the heads (the engine's default for medusa). Prompts are the Lab 02 ones
+decode loop (serving/engine/spec_loop.py, the engine's default), and `medusa_device`, `self_device` and
+`draft_device` do the same with the heads and the draft models (each the engine's default for its method). Prompts are the Lab 02 ones
 (benchmarks/spec_acceptance.py: stdlib code, licence prose, copy-heavy chat turns). Requests run one at a time
 (batch 1); every method runs all its requests twice and the second pass is timed (the first compiles). Reported per method and domain:
 decode tokens/s (generated tokens after the first / time from first to last token), speedup over `off`,
@@ -55,13 +55,13 @@ def _decoders(llm: LLM, args) -> dict:
 
     methods = set(args.methods.split(","))
     out = dict(off=None, ngram=engine.spec, ngram_device=engine.spec)
-    if "self" in methods:
+    if {"self", "self_device"} & methods:
         self_spec = dataclasses.replace(spec, method="self", speculative_draft_layers=args.self_layers)
-        out["self"] = decoder(make_model_proposer("self", r, model, self_spec, model.dtype))
-    if "draft" in methods and args.draft_model:
+        out["self"] = out["self_device"] = decoder(make_model_proposer("self", r, model, self_spec, model.dtype))
+    if {"draft", "draft_device"} & methods and args.draft_model:
         draft_spec = dataclasses.replace(spec, method="draft", speculative_model=args.draft_model)
         out["draft"] = decoder(make_model_proposer("draft", r, model, draft_spec, model.dtype))
-    elif "draft" in methods:
+    elif {"draft", "draft_device"} & methods:
         copy = ModelRunner(
             truncated_model(model, args.draft_layers),
             num_blocks=r.num_blocks,
@@ -72,6 +72,7 @@ def _decoders(llm: LLM, args) -> dict:
             attention_backend=r.backend,
         )
         out["draft"] = decoder(ModelDraftProposer(copy, "draft"))
+    out |= {f"{m}_device": out[m] for m in ("draft",) if m in out}  # the same decoder, on the device loop
     if {"medusa", "medusa_device"} & methods:
         from model.medusa import load_heads
 
@@ -181,7 +182,7 @@ def main():
     ap.add_argument(
         "--methods",
         default="off,ngram,self,draft",
-        help="also: ngram_device, medusa, medusa_device (need --medusa_heads)",
+        help="also: ngram_device, self_device, draft_device, medusa, medusa_device (need --medusa_heads)",
     )
     ap.add_argument("--random_weights", default=None, help="a ModelConfig preset: random weights of its shape")
     ap.add_argument(
