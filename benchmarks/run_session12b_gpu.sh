@@ -1,10 +1,10 @@
-# Session 13's H200 calls. The default model arrives in two halves (benchmarks/gpu_model_setup.sh):
-#   run(command="bash benchmarks/run_session13_gpu.sh park", carry=[".gpu_carry/a"], timeout_s=300)
+# Session 12's H200 calls. The default model arrives in two halves (benchmarks/gpu_model_setup.sh):
+#   run(command="bash benchmarks/run_session12b_gpu.sh park", carry=[".gpu_carry/a"], timeout_s=300)
 #     parks half a; the GPU tests that need no model (speculative device loop with n-gram and a twin draft model)
-#   run(command="bash benchmarks/run_session13_gpu.sh trace", carry=[".gpu_carry/b"], timeout_s=600)
+#   run(command="bash benchmarks/run_session12b_gpu.sh trace", carry=[".gpu_carry/b"], timeout_s=600)
 #     the engine's GPU tests on SmolLM2 (warm_chain's first GPU run), then issue 12's saturation per step: off vs
 #     adaptive at the saturating rate, compiles counted per step
-#   run(command="bash benchmarks/run_session13_gpu.sh load", timeout_s=600)
+#   run(command="bash benchmarks/run_session12b_gpu.sh load", timeout_s=600)
 #     batch 1 with the draft models inside the device loop; then the load trade with --warmup serve, 256 requests
 set -u
 source benchmarks/gpu_model_setup.sh
