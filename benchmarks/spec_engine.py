@@ -35,11 +35,10 @@ import time
 
 from benchmarks.spec_acceptance import build_prompts
 from serving.core.spec_policy import SpecPolicy
-from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, truncated_model
+from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, runner_like, truncated_model
 from serving.engine.engine import _logprob_entry, _sampling_tensors
 from serving.engine.head_proposer import MedusaProposer
 from serving.engine.llm import LLM
-from serving.engine.runner import ModelRunner
 from serving.engine.speculate import SpecDecoder, policy_config
 
 
@@ -62,16 +61,7 @@ def _decoders(llm: LLM, args) -> dict:
         draft_spec = dataclasses.replace(spec, method="draft", speculative_model=args.draft_model)
         out["draft"] = decoder(make_model_proposer("draft", r, model, draft_spec, model.dtype))
     elif {"draft", "draft_device"} & methods:
-        copy = ModelRunner(
-            truncated_model(model, args.draft_layers),
-            num_blocks=r.num_blocks,
-            block_size=r.block_size,
-            max_num_seqs=r.max_num_seqs,
-            max_num_batched_tokens=r.token_buckets[-1],
-            max_model_len=r.max_blocks * r.block_size,
-            attention_backend=r.backend,
-        )
-        out["draft"] = decoder(ModelDraftProposer(copy, "draft"))
+        out["draft"] = decoder(ModelDraftProposer(runner_like(r, truncated_model(model, args.draft_layers)), "draft"))
     out |= {f"{m}_device": out[m] for m in ("draft",) if m in out}  # the same decoder, on the device loop
     if {"medusa", "medusa_device"} & methods:
         from model.medusa import load_heads

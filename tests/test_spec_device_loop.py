@@ -27,10 +27,10 @@ from serving.config import EngineConfig
 from serving.core.request import SamplingParams
 from serving.core.spec_policy import SpecPolicy
 from serving.engine import spec_loop
-from serving.engine.draft_model import ModelDraftProposer, make_model_proposer
+from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, runner_like
 from serving.engine.engine import LLMEngine
 from serving.engine.proposers import NgramProposer
-from serving.engine.runner import ModelRunner, RowInput
+from serving.engine.runner import RowInput
 from serving.engine.speculate import policy_config
 from serving.speculative import processed_target_probs
 
@@ -218,16 +218,7 @@ def _model_proposer(engine, kind: str):
     r = engine.runner
     if kind == "self":
         return make_model_proposer("self", r, nnx.merge(r.graphdef, r.params), engine.config.speculative, None)
-    twin = ModelRunner(
-        nnx.merge(r.graphdef, r.params),
-        num_blocks=r.num_blocks,
-        block_size=r.block_size,
-        max_num_seqs=r.max_num_seqs,
-        max_num_batched_tokens=r.token_buckets[-1],
-        max_model_len=r.max_blocks * r.block_size,
-        attention_backend=r.backend,
-    )
-    return ModelDraftProposer(twin, "draft")
+    return ModelDraftProposer(runner_like(r, nnx.merge(r.graphdef, r.params)), "draft")
 
 
 @pytest.mark.parametrize("kind", ["twin", "self"])

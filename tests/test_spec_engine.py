@@ -18,9 +18,8 @@ import pytest
 from serving.core.request import SamplingParams
 from serving.core.scheduler import Scheduler
 from serving.core.spec_policy import SpecPolicy, SpecPolicyConfig
-from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, truncated_model
+from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, runner_like, truncated_model
 from serving.engine.engine import _logprob_entry, _sampling_tensors
-from serving.engine.runner import ModelRunner
 from serving.engine.speculate import SpecDecoder, _banned_per_position, policy_config
 
 MAX_MODEL_LEN = 160
@@ -118,15 +117,7 @@ def proposers(llm):
     own pool (SmolLM2's first 26 layers, a truncated copy) and a weak self-draft (4 layers: many rejections)."""
     engine, model = llm.engine, llm.model
     r = engine.runner
-    copy = ModelRunner(
-        truncated_model(model, 26),
-        num_blocks=r.num_blocks,
-        block_size=r.block_size,
-        max_num_seqs=r.max_num_seqs,
-        max_num_batched_tokens=r.token_buckets[-1],
-        max_model_len=MAX_MODEL_LEN,
-        attention_backend="xla",
-    )
+    copy = runner_like(r, truncated_model(model, 26))
     spec = engine.config.speculative
 
     def self_spec(layers):

@@ -158,6 +158,21 @@ class ModelDraftProposer(Proposer):
         return set(self._valid) | set(self._tables) | set(self._proposed)
 
 
+def runner_like(target: ModelRunner, model: Transformer, num_blocks: int | None = None) -> ModelRunner:
+    """A runner for a draft `model` on the target's geometry (block size, rows, token budget, context, kernels,
+    mesh), with a KV pool of `num_blocks` (default: the target's, so the same block ids address both pools)."""
+    return ModelRunner(
+        model,
+        num_blocks=target.num_blocks if num_blocks is None else num_blocks,
+        block_size=target.block_size,
+        max_num_seqs=target.max_num_seqs,
+        max_num_batched_tokens=target.token_buckets[-1],
+        max_model_len=target.max_blocks * target.block_size,
+        attention_backend=target.backend,
+        mesh=target.mesh,
+    )
+
+
 def make_model_proposer(method: str, target: ModelRunner, model: Transformer, spec, dtype) -> ModelDraftProposer:
     """The proposer for speculative_method "draft" (load `spec.speculative_model`) or "self" (truncate `model`)."""
     if method == "self":
@@ -173,14 +188,4 @@ def make_model_proposer(method: str, target: ModelRunner, model: Transformer, sp
                 f"target's {model.cfg.vocab_size} (the draft must share the tokenizer)"
             )
         draft, blocks = build_model(ckpt.config, ckpt.params, dtype), target.num_blocks
-    runner = ModelRunner(
-        draft,
-        num_blocks=blocks,
-        block_size=target.block_size,
-        max_num_seqs=target.max_num_seqs,
-        max_num_batched_tokens=target.token_buckets[-1],
-        max_model_len=target.max_blocks * target.block_size,
-        attention_backend=target.backend,
-        mesh=target.mesh,
-    )
-    return ModelDraftProposer(runner, method, target if method == "self" else None)
+    return ModelDraftProposer(runner_like(target, draft, blocks), method, target if method == "self" else None)

@@ -130,7 +130,7 @@ class LLMEngine:
         self.loops = DecodeLoops(self, _sampling_tensors)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)  # constrained requests
         self.spec = make_spec_decoder(self, model, _sampling_tensors, _logprob_entry)  # None: speculation off
-        self.spec_loops = SpecLoops(self, _sampling_tensors, c.speculative.device_loop)  # n-gram drafts on device
+        self.spec_loops = SpecLoops(self, _sampling_tensors, c.speculative.device_loop)  # drafts on device
         self.overlap = c.async_scheduling
         self._inflight = None  # a decode loop launched but not applied yet
         if c.warmup or (c.warmup is None and jax.default_backend() != "cpu"):

@@ -1,5 +1,5 @@
-"""Speculative decoding inside the on-device decode loop: drafting (n-gram, or trained Medusa heads), verification
-and acceptance per iteration.
+"""Speculative decoding inside the on-device decode loop: drafting (n-gram, trained Medusa heads or a draft model),
+verification and acceptance per iteration.
 
 The host-side speculative step (serving/engine/speculate.py) pays one host round trip per verify pass (~20 ms on the
 H200 with the host's work and dispatch gaps), while a pass over k + 1 tokens costs about what a one-token step does:
