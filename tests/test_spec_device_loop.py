@@ -239,6 +239,34 @@ def test_model_drafts_in_the_device_loop_match_off(tiny, monkeypatch, kind):
     assert tiny.step() == [] and not tiny.spec.proposer.tracked  # an idle step releases the finished rows' state
 
 
+def test_draft_loop_from_the_executable_cache_and_no_pool_copies(tmp_path):
+    """A second engine on the same cache directory loads the twin draft's loops (their output tree holds the
+    draft's KV beside the stats) and serves the same tokens; neither KV pool is copied inside the loop (both
+    donated)."""
+    from serving.engine.executable_cache import ExecutableCache
+
+    engines = []
+    for _ in range(2):
+        config = EngineConfig.from_kwargs(**OPTIONS)
+        engine = _always_drafting(LLMEngine(random_model(TINY, jnp.float32, seed=7), NullTokenizer(), config))
+        engine.runner._cache = ExecutableCache(str(tmp_path))  # the engine keeps none on a CPU host: the runner's
+        engine.spec.proposer = _model_proposer(engine, "twin")
+        engines.append(engine)
+    first, second = engines
+    widths = first.runner.width_buckets[:1]
+    assert first.spec_loops.warmup(widths) == len(first.runner.decode_buckets)
+    hits = second.runner._cache.hits
+    assert second.spec_loops.warmup(widths) == 0 and second.runner._cache.hits - hits == len(widths) * 2
+    reqs = _tiny_requests()[:2]
+    assert _run(second, reqs, "device") == _run(first, reqs, "device")
+    loops = second.spec_loops
+    exe = first.runner._compiled[loops._key(1, widths[0])]
+    for pool in (first.runner.kv_cache[0][0], first.spec.proposer.runner.kv_cache[0][0]):
+        shape = f"f32[{','.join(map(str, pool.shape))}]"
+        copies = [line for line in exe.as_text().splitlines() if " copy(" in line and shape in line]
+        assert not copies, copies[:2]
+
+
 # The distribution of sampled rows -------------------------------------------------------------------------------
 
 

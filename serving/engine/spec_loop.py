@@ -159,9 +159,9 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
     trained heads on the hidden state whose logits drew the row's last token. The medusa loop takes three more
     arguments, (heads state, h [S, D], has_h [S] bool: h is current), and returns (stats, h, has_h) in place of
     stats: a row without a current h drafts nothing in its first iteration, whose verify pass records one. Or
-    ("model", draft graphdef, L): a draft model's greedy steps; L = 0: its own paged KV, the loop takes (draft
-    params, draft kv) more and returns (stats, draft kv) in place of stats (the draft kv donated); L > 0
-    (self-speculation): the target's first L layers' KV, the loop takes the draft params more.
+    ("model", draft graphdef, L): a draft model's greedy steps, the loop takes the draft params more; L = 0: its
+    own paged KV, whose layers follow the target's in kv (in and out); L > 0 (self-speculation): the target's
+    first L layers' KV.
 
     stats row 0: tokens each row emitted; rows 1..num_steps: drafts per iteration; the last num_steps rows: tokens
     emitted per iteration. The output tree is the plain loop's (tokens, one array or the medusa triple, kv,
@@ -171,6 +171,8 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
     k1 = k + 1
     medusa, kind = drafter[0] == "medusa", drafter[0]
     shared = drafter[2] if kind == "model" else 0  # self-speculation: the draft's KV is the target's first layers
+    own_kv = kind == "model" and not shared  # the draft's own KV layers follow the target's in `kv`
+    n_t = cfg.num_layers
 
     def loop(params, kv, hist, length, offset, tables, limits, draft_on, stop_ids, st, *extra):
         model = nnx.merge(graphdef, params)
@@ -179,11 +181,11 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
         cu = (jnp.arange(s + 1) * k1).astype(jnp.int32)
         cover = offset + length - 1 + limits  # positions below this have reserved blocks
         tables = jnp.pad(tables, ((0, 0), (0, -(-k1 // bs) + 1)))  # kv_len up to cover + k stays inside the table
-        aux = ()  # what the drafter carries: medusa (h, has_h), a draft model its own KV
+        aux = ()  # what the drafter carries: medusa (h, has_h)
         if medusa:
             heads, aux = nnx.merge(drafter[1], extra[0]), tuple(extra[1:])
         elif kind == "model":
-            dmodel, aux = nnx.merge(drafter[1], extra[0]), (() if shared else extra[1])
+            dmodel = nnx.merge(drafter[1], extra[0])
 
         def draft(hist, length, aux, kv, active, st_i):
             """(drafts [S, k], found [S], q [S, k, V] or None, aux, kv) for this iteration."""
@@ -191,11 +193,11 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
                 drafts, q = draw_drafts(heads, model, aux[0], st_i, k)
                 return drafts, aux[1], q, aux, kv
             if kind == "model":
-                dkv = list(kv[:shared]) if shared else aux
+                lo, hi = (0, shared) if shared else (n_t, len(kv))
                 tok, pos, meta_args = hist[rows, length - 1], offset + length - 1, (bs, backend, mesh)
-                drafts, dkv = model_drafts(dmodel, dkv, tok, pos, tables, active, cover, k + (not shared), k, meta_args)
-                kv, aux = ([*dkv, *kv[shared:]], aux) if shared else (kv, dkv)
-                return drafts, jnp.ones(s, bool), None, aux, kv
+                steps = k + (not shared)
+                drafts, dkv = model_drafts(dmodel, kv[lo:hi], tok, pos, tables, active, cover, steps, k, meta_args)
+                return drafts, jnp.ones(s, bool), None, aux, [*kv[:lo], *dkv, *kv[hi:]]
             return (*ngram_drafts(hist, length, k, *drafter[1:]), None, aux, kv)
 
         j = jnp.arange(k1)[None, :]
@@ -220,9 +222,10 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
             kv_lens = (offset + length + k).astype(jnp.int32)
             meta = PagedMeta(slots.reshape(-1), tables, kv_lens, cu, jnp.int32(s), False, backend, mesh)
             valid = jnp.repeat(active, k1)[None]
-            logits, kv, counts, *hidden = model(
-                tok.reshape(1, -1), pos.reshape(1, -1), kv, meta, None, valid, True, medusa
+            logits, tkv, counts, *hidden = model(
+                tok.reshape(1, -1), pos.reshape(1, -1), kv[:n_t] if own_kv else kv, meta, None, valid, True, medusa
             )
+            kv = [*tkv, *kv[n_t:]] if own_kv else tkv
             emitted, n_emit = accept(logits[0].reshape(s, k1, -1), drafts, num_draft, st_i, q)
             n_emit = jnp.where(active, jnp.minimum(n_emit, limits - count), 0)
             is_stop = jnp.any(emitted[:, :, None] == jnp.where(stop_ids >= 0, stop_ids, -2)[:, None, :], axis=2)
@@ -247,11 +250,9 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
         init = (jnp.int32(0), hist, length, kv, out_tok, zeros, zeros > 0, stats, routed, aux)
         _, _, _, kv, out_tok, count, _, stats, routed, aux = jax.lax.while_loop(cond, body, init)
         stats = stats.at[0].set(count)
-        own_kv = kind == "model" and not shared
-        return out_tok, (stats, *aux) if medusa else (stats, aux) if own_kv else stats, kv, routed
+        return out_tok, (stats, *aux) if medusa else stats, kv, routed
 
-    own_kv = kind == "model" and not shared
-    return jax.jit(loop, donate_argnums=(1, 11) if own_kv else (1,))
+    return jax.jit(loop, donate_argnums=(1,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,10 +332,10 @@ class SpecLoops:
         st = shaped(SamplingTensors.from_rows([{}] * s))
         r = self.runner
         hist = i32(s, self.history)
-        args = (r.params, r.kv_cache, hist, i32(s), i32(s), i32(s, w), i32(s), i32(s), i32(s, MAX_STOP_IDS), st)
+        kv = self._kv_in()
+        args = (r.params, kv, hist, i32(s), i32(s), i32(s, w), i32(s), i32(s), i32(s, MAX_STOP_IDS), st)
         if self.model_draft:
-            d = self.proposer.runner
-            return (*args, shaped(d.params), *([shaped(d.kv_cache)] if self.own_kv else []))
+            return (*args, shaped(self.proposer.runner.params))
         if not self.medusa:
             return args
         h = jax.ShapeDtypeStruct((s, r.cfg.hidden_size), r.dtype)
@@ -348,11 +349,15 @@ class SpecLoops:
             drafter = ("medusa", p.heads[0]) if self.medusa else ("ngram", p.max_n, p.min_n, p.max_history)
         return spec_loop_fn(self.runner, self.num_steps, self.k, drafter)
 
+    def _kv_in(self):
+        """The loop's KV argument: the target's pool, followed by the draft model's own layers if it has them (one
+        donated list: two donated pools made XLA copy both into and out of the loop)."""
+        kv = self.runner.kv_cache
+        return [*kv, *self.proposer.runner.kv_cache] if self.own_kv else kv
+
     def _out_tree(self, key: tuple):
-        """The loop's output structure (the runner's for a loop, but for a draft model's own KV beside the stats)."""
-        if not self.own_kv:
-            return None
-        return jax.tree.structure((0, (0, self.proposer.runner.kv_cache), self.runner.kv_cache, 0))
+        """The loop's output structure (the runner's for a loop, but with the draft's own KV layers in the KV)."""
+        return jax.tree.structure((0, 0, self._kv_in(), 0)) if self.own_kv else None
 
     # Before and after the scheduler --------------------------------------------------------------------------
 
@@ -453,13 +458,14 @@ class SpecLoops:
         if self.medusa:
             args = (*args, self.proposer.heads[1], *self._hidden_in(reqs, s))
         if self.model_draft:
-            d = self.proposer.runner
-            args = (*args, d.params, *([d.kv_cache] if self.own_kv else []))
-        out_tok, stats, r.kv_cache, routed = exe(r.params, r.kv_cache, *args)
+            args = (*args, self.proposer.runner.params)
+        out_tok, stats, kv, routed = exe(r.params, self._kv_in(), *args)
+        n_t = len(r.kv_cache)
+        r.kv_cache = kv[:n_t] if self.own_kv else kv
+        if self.own_kv:
+            self.proposer.runner.kv_cache = kv[n_t:]
         r._count_routed(routed)
         self.num_loops += 1
-        if self.own_kv:
-            stats, d.kv_cache = stats
         if self.model_draft:  # the draft's KV is right below each row's new last token, on its present table
             counts = np.asarray(stats[0])
             for i, req in enumerate(reqs):
