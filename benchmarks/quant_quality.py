@@ -157,21 +157,23 @@ def quantised_params(params, calib, method):
     return out
 
 
-# "<method>_seq": the method on inputs re-recorded from the partly quantised model before each projection (GPTQ's
-# "true sequential" order: a projection compensates the error of everything quantised before it), not the float's.
+# "<method>_seq": the method on inputs re-recorded from the partly quantised model before each layer (GPTQ's
+# sequential order: a layer's projections compensate the error of every layer quantised before it), not the float's.
 SEQUENTIAL_SUFFIX = "_seq"
 
 
 def sequential_params(config, params, calib_bt, method):
-    """quantised_params with each projection's calibration inputs recorded anew from the model whose earlier
-    projections (forward order: layer by layer, qkv, o, gate_up, down) are already quantised."""
+    """quantised_params with layer i's calibration inputs recorded from the model whose layers < i are already
+    quantised (its four projections see the same quantised prefix); each recording runs the first i + 1 layers."""
+    from serving.engine.draft_model import truncated_model
+
     out = dict(params)
     for i in range(config.num_layers):
-        for leaf in PROJECTIONS:
-            name = f"layers.{i}.{leaf}"
-            model = transformer.build_model(config, out, jnp.float32)
-            x = calibration_inputs(model, calib_bt, config.num_layers)[name]
-            out = quantised_params(out, {name: x}, method)
+        model = transformer.build_model(config, out, jnp.float32)
+        prefix = truncated_model(model, i + 1) if i + 1 < config.num_layers else model
+        x = calibration_inputs(prefix, calib_bt, i + 1)
+        out = quantised_params(out, {n: v for n, v in x.items() if n.startswith(f"layers.{i}.")}, method)
+        print(f"  sequential: layer {i} quantised", flush=True)
     return out
 
 
