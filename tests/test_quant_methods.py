@@ -194,8 +194,8 @@ def test_int4_clip_search_never_worse_per_group_and_helps_heavy_tails(zero_point
 
 
 def test_sequential_calibration_starts_from_float_inputs_and_then_sees_quantised_ones(monkeypatch):
-    """benchmarks/quant_quality.py's `<method>_seq`: every projection quantised; the first one (nothing quantised
-    before it) equals the float-input method's, a later one differs (its inputs come from quantised layers); an
+    """benchmarks/quant_quality.py's `<method>_seq`: every projection quantised; the first layer's (nothing quantised
+    before it) equal the float-input method's, a later layer's differ (their inputs come from quantised layers); an
     input-free method (RTN) is unchanged by the order."""
     from benchmarks import quant_quality as qq
     from model import transformer
@@ -215,7 +215,8 @@ def test_sequential_calibration_starts_from_float_inputs_and_then_sees_quantised
 
     names = [n for n in params if n.startswith("layers.") and n.rsplit(".", 1)[1] in ("wq", "w_down")]
     assert names and all(isinstance(seq["int4_gptq"][n], quant.QuantizedArray) for n in names)
-    np.testing.assert_array_equal(values(seq["int4_gptq"], "layers.0.wq"), values(plain["int4_gptq"], "layers.0.wq"))
+    for n in ("layers.0.wq", "layers.0.w_down"):
+        np.testing.assert_array_equal(values(seq["int4_gptq"], n), values(plain["int4_gptq"], n))
     assert not np.array_equal(
         values(seq["int4_gptq"], "layers.1.w_down"), values(plain["int4_gptq"], "layers.1.w_down")
     )
