@@ -165,7 +165,7 @@ def spec_loop_fn(runner, num_steps: int, k: int, drafter: tuple):
 
     stats row 0: tokens each row emitted; rows 1..num_steps: drafts per iteration; the last num_steps rows: tokens
     emitted per iteration. The output tree is the plain loop's (tokens, one array or the medusa triple, kv,
-    counts), so the runner's executable cache loads it as a loop.
+    counts), so the runner's executable cache loads it as a loop (a draft's own KV layers: SpecLoops._out_tree).
     """
     graphdef, backend, bs, mesh, cfg = runner.graphdef, runner.backend, runner.block_size, runner.mesh, runner.cfg
     k1 = k + 1
