@@ -62,7 +62,8 @@ def _decoders(llm: LLM, args) -> dict:
         out["draft"] = decoder(make_model_proposer("draft", r, model, draft_spec, model.dtype))
     elif {"draft", "draft_device"} & methods:
         out["draft"] = decoder(ModelDraftProposer(runner_like(r, truncated_model(model, args.draft_layers)), "draft"))
-    out |= {f"{m}_device": out[m] for m in ("draft",) if m in out}  # the same decoder, on the device loop
+    if "draft" in out:
+        out["draft_device"] = out["draft"]  # the same decoder, on the device loop
     if {"medusa", "medusa_device"} & methods:
         from model.medusa import load_heads
 

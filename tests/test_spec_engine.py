@@ -133,19 +133,20 @@ def proposers(llm):
 
 
 @pytest.mark.parametrize("name", ["ngram", "self", "draft", "weak", "draft_host"])
-def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(llm, prompts, reference, proposers, name):
+def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(
+    llm, prompts, reference, proposers, name, monkeypatch
+):
     """Every proposer drafts inside the on-device loop where a step allows it (decode rows only) and verifies on
     the host otherwise; "draft_host" verifies every pass on the host."""
     engine = llm.engine
     sched = _use_scheduler(engine, num_blocks=12)  # 11 blocks of 16 for 4 requests of 72-110 tokens
     loops_before, spec_loops_before = engine.num_decode_loops, engine.spec_loops.num_loops
-    engine.spec_loops.enabled = name != "draft_host"
+    monkeypatch.setattr(engine.spec_loops, "enabled", name != "draft_host")  # restored even when an assert fails
     with _speculating(engine, _decoder(engine, proposers[name.removesuffix("_host")])) as spec:
         tracks, most = _run(
             engine, [(p, SamplingParams(max_tokens=m, temperature=0.0)) for p, m in zip(prompts, MAX_TOKENS)]
         )
         assert engine.step() == []  # an idle step releases the state kept for finished requests
-    engine.spec_loops.enabled = True
     assert (engine.spec_loops.num_loops > spec_loops_before) == (name != "draft_host")
     assert not spec.policy.tracked and not getattr(spec.proposer, "tracked", set())
     for i, t in enumerate(tracks):
