@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Session 13's H200 calls (issue 13 / 17: the GEMV decode kernel). One argument picks the call:
+#   gemv    GPU tests of pallas_kernels/gemv.py, then benchmarks/gemv.py (config sweep at M = 1, then the table)
+set -o pipefail
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv
+case "$1" in
+gemv)
+  timeout 170 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -25
+  timeout 390 python3 benchmarks/gemv.py --sweep --budget_s 170 --rows 1,4 --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
+  ;;
+esac

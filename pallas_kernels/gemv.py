@@ -1,0 +1,388 @@
+"""Weight-streaming GEMV for decode's smallest batches (M <= 4): every weight byte read once, turned into an exact
+float32 in registers with integer bit tricks, and multiplied on the FMA units.
+
+    x [M, K] (bf16 / f16 / f32)  @  w [K, N] (bf16 | int8 | fp8 e4m3 | packed int4)  ->  [M, N] in x's dtype
+
+Why a second streaming kernel beside quantized_matmul.py: at M = 1 that kernel's tensor-core dot pads x to 16 rows
+and moves every weight tile into the MMA operand layout, and its 8-bit and 4-bit paths convert each code with the
+I2F/F2F units (16 conversions per clock per SM on Hopper: int8 -> f32 -> bf16 is two of them a weight, which is what
+held int8 and int4 under their byte rate on the H200, BENCHMARKS.md). Here a weight costs one FMA per row of x,
+and its conversion costs one or two integer ops (full rate) plus at most one float add:
+
+    bf16   f32 bits = bf16 bits << 16
+    int8   f32(u8(b) ^ 0x4B000080) - (2^23 + 128)             (0x4B000000 is 2^23: the byte lands in the mantissa)
+    fp8    f16 bits = (b & 0x80) << 8 | (b & 0x7F) << 7        is w * 2^-8 (e4m3's exponent bias is 7, f16's 15),
+           e4m3 subnormals landing on f16 subnormals; f16 -> f32 is exact; each sum is scaled by 2^8
+    int4   lo: f32((b & 0x0F) | 0x4B000000) - (2^23 + z)       = code - z
+           hi: f32((b & 0xF0) | 0x4B000000) - (2^23 + 16 z)    = 16 (code - z); x's odd columns are pre-scaled by 1/16
+
+Data flow, grid = (N tiles, K chunks):
+
+    program (j, c) issues the loads of its `steps` weight tiles [bk, bn] first (a static unroll: steps * bk * bn
+    bytes in flight per program, the memory-level parallelism a pure stream needs), then for each tile i:
+        per-channel formats:  acc_r[bk, bn] += x[r, k_i : k_i + bk, None] * w_i
+        grouped formats:      acc_r[bk, bn] += (x_r * w_i) * scale[group_i, None]     (one tile = one group)
+    and ends with one cross-thread reduction: out[c, r, n tile] = sum(acc_r, axis 0) (* per-channel scale)
+    f32 partials [C, M, N] are summed (and cast) by XLA; C = 1 stores x's dtype directly.
+
+Weight layouts are those of model/quant.py ([K, N]; int4 [K/2, N] with row 2i in the low nibble); this module takes
+raw arrays. On CPU the same pallas_call runs in the Pallas interpreter (tests); "xla" is the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import quantized_matmul
+from pallas_kernels.backend import out_struct, resolve_backend
+
+FORMATS = ("bf16", "int8", "fp8", "int4")
+KERNEL_NAME = "gemv"
+MAX_ROWS = 4  # accumulators are [bk, bn] per row of x: past a few rows the tensor-core kernels win
+MAGIC = 0x4B000000  # float32 2^23
+FP8_OUT_SCALE = 2.0**8  # fp8 codes are converted as w * 2^-8
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Tile sizes (a static argument).
+
+    Attributes:
+        block_n: weight columns per program.
+        block_k: weight rows per tile (grouped formats: one group a tile, so this is ignored).
+        steps: tiles per program, all loaded before the first multiply (bytes in flight = steps * tile bytes).
+        num_warps: Triton warps per program.
+        bit_convert: the integer bit-trick conversions above (False: plain dtype casts, for comparison).
+    """
+
+    block_n: int = 128
+    block_k: int = 32
+    steps: int = 8
+    num_warps: int = 4
+    bit_convert: bool = True
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 8 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two >= 8, got {value}")
+        if self.steps < 1:
+            raise ValueError(f"GemvConfig.steps must be >= 1, got {self.steps}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemvConfig.num_warps must be a power of 2 <= 16, got {self.num_warps}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Conversions: stored codes -> exact float32 (see the module docstring).
+# ---------------------------------------------------------------------------------------------------------
+def _f32(bits):
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _u32(tile):
+    """A tile of 8- or 16-bit codes, zero-extended to uint32."""
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}[tile.dtype.itemsize]
+    if tile.dtype != unsigned:
+        tile = jax.lax.bitcast_convert_type(tile, unsigned)
+    return tile.astype(jnp.uint32)
+
+
+def convert(tile, fmt: str, bit_convert: bool = True):
+    """int8 / fp8 (as uint8 bits) / bf16 tile -> float32 (fp8: times 2^-8 under bit_convert)."""
+    if fmt == "bf16":
+        if tile.dtype != jnp.bfloat16 or not bit_convert:
+            return tile.astype(jnp.float32)
+        return _f32(_u32(tile) << 16)
+    if fmt == "int8":
+        if not bit_convert:
+            return tile.astype(jnp.float32)
+        return _f32(_u32(tile) ^ (MAGIC | 0x80)) - (2.0**23 + 128.0)
+    if fmt == "fp8":
+        u = _u32(tile)
+        if not bit_convert:
+            return jax.lax.bitcast_convert_type(u.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+        bits = (((u & 0x80) << 8) | ((u & 0x7F) << 7)).astype(jnp.uint16)
+        return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+    raise ValueError(fmt)
+
+
+def convert_int4(packed, zero):
+    """uint8 [bk, bn] of two codes a byte -> (code_lo - zero, 16 (code_hi - zero)) in float32; zero [1, bn] or 8."""
+    u = _u32(packed)
+    lo = _f32((u & 0x0F) | MAGIC) - (2.0**23 + zero)
+    hi = _f32((u & 0xF0) | MAGIC) - (2.0**23 + 16.0 * zero)
+    return lo, hi
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel body.
+# ---------------------------------------------------------------------------------------------------------
+def _load(ref, r0, height, c0, width, masked: bool):
+    """ref[r0 : r0 + height, c0 : c0 + width] of a 2-D ref, zero outside its bounds when `masked`."""
+    if not masked:
+        return ref[pl.ds(r0, height), pl.ds(c0, width)]
+    rows = r0 + jnp.arange(height)
+    cols = c0 + jnp.arange(width)
+    mask = (rows < ref.shape[0])[:, None] & (cols < ref.shape[1])[None, :]
+    return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+
+
+def _load_row(ref, r, c0, width, masked: bool):
+    """ref[r, c0 : c0 + width] of a 2-D ref (r clamped into bounds) or ref[c0 : c0 + width] of a 1-D one (r None),
+    zero past N when `masked`."""
+    if r is not None:
+        r = jnp.minimum(r, ref.shape[0] - 1)
+    if not masked:
+        return ref[pl.ds(c0, width)] if r is None else ref[r, pl.ds(c0, width)]
+    cols = c0 + jnp.arange(width)
+    view = ref.at[cols] if r is None else ref.at[r, cols]
+    return pltriton.load(view, mask=cols < ref.shape[-1], other=0)
+
+
+def _gemv_kernel(
+    x_ref,  # [M, Kp] f32 x; int4: [M, 2, Kp/2] even columns, odd columns / 16
+    w_ref,  # [K, N] bf16 / int8 / uint8 (fp8 bits); int4: [K/2, N] uint8
+    s_ref,  # [N] f32 per-channel scale; grouped: [K/g, N]; None for bf16
+    z_ref,  # int4 only: [K/g, N] f32 zero points, or None (symmetric: 8)
+    o_ref,  # [C, M, N] f32 partials, or [M, N] in x's dtype when C == 1
+    *,
+    fmt: str,
+    rows: int,
+    bk: int,
+    bn: int,
+    steps: int,
+    grouped: bool,
+    masked_k: bool,
+    masked_n: bool,
+    bit_convert: bool,
+):
+    n0 = pl.program_id(0) * bn
+    chunk = pl.program_id(1)
+    k0 = chunk * (steps * bk)  # first stored weight row of this program
+    tiles = [_load(w_ref, k0 + i * bk, bk, n0, bn, masked_k or masked_n) for i in range(steps)]  # all in flight
+    accs = [jnp.zeros((bk, bn), jnp.float32) for _ in range(rows)]  # [bk, bn] per row of x
+    for i, tile in enumerate(tiles):
+        r0 = k0 + i * bk
+        group = chunk * steps + i  # grouped formats: one tile = one group
+        if fmt == "int4":
+            zero = 8.0 if z_ref is None else _load_row(z_ref, group, n0, bn, masked_n)[None, :]  # [1, bn]
+            lo, hi = convert_int4(tile, zero)  # [bk, bn] each
+        else:
+            w = convert(tile, fmt, bit_convert)  # [bk, bn]
+        scale = _load_row(s_ref, group, n0, bn, masked_n)[None, :] if grouped else None  # [1, bn]
+        for r in range(rows):
+            if fmt == "int4":
+                part = x_ref[r, 0, pl.ds(r0, bk)][:, None] * lo + x_ref[r, 1, pl.ds(r0, bk)][:, None] * hi
+            else:
+                part = x_ref[r, pl.ds(r0, bk)][:, None] * w
+            accs[r] = accs[r] + (part * scale if grouped else part)
+    cols = n0 + jnp.arange(bn)
+    for r in range(rows):
+        out = jnp.sum(accs[r], axis=0)  # [bn]
+        if fmt == "fp8" and bit_convert:
+            out = out * FP8_OUT_SCALE
+        if s_ref is not None and not grouped:
+            out = out * _load_row(s_ref, None, n0, bn, masked_n)
+        lead = (r,) if len(o_ref.shape) == 2 else (chunk, r)  # o_ref [M, N] or [C, M, N]
+        out = out.astype(o_ref.dtype)
+        if masked_n:
+            pltriton.store(o_ref.at[(*lead, cols)], out, mask=cols < o_ref.shape[-1])
+        else:
+            o_ref[(*lead, pl.ds(n0, bn))] = out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pallas_call builder.
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static geometry of one call, in stored weight rows (int4: packed rows)."""
+
+    bk: int
+    bn: int
+    steps: int
+    chunks: int
+    k_rows: int  # stored weight rows
+    n: int
+
+    @property
+    def k_pad(self) -> int:
+        return self.chunks * self.steps * self.bk
+
+
+def plan(k_rows: int, n: int, fmt: str, group_size: int, config: GemvConfig) -> _Plan:
+    """Tiles of one call: grouped formats take one group a tile; steps shrink for short K (no empty tiles)."""
+    grouped = fmt == "int4" or group_size > 0
+    if grouped:
+        bk = group_size // 2 if fmt == "int4" else group_size
+    else:
+        bk = min(config.block_k, max(8, 1 << (k_rows - 1).bit_length()))
+    bn = min(config.block_n, max(16, 1 << (n - 1).bit_length()))
+    tiles = -(-k_rows // bk)
+    steps = min(config.steps, tiles)
+    return _Plan(bk, bn, steps, -(-tiles // steps), k_rows, n)
+
+
+def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, grouped, config, interpret):
+    x, w, s, z = inputs
+    if p.chunks == 1:
+        out_shape = out_struct((rows, p.n), out_dtype, [a for a in inputs if a is not None])
+    else:
+        out_shape = out_struct((p.chunks, rows, p.n), jnp.float32, [a for a in inputs if a is not None])
+    kernel = functools.partial(
+        _gemv_kernel,
+        fmt=fmt,
+        rows=rows,
+        bk=p.bk,
+        bn=p.bn,
+        steps=p.steps,
+        grouped=grouped,
+        masked_k=p.k_pad != p.k_rows,
+        masked_n=p.n % p.bn != 0,
+        bit_convert=config.bit_convert,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(-(-p.n // p.bn), p.chunks),
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        name=f"gemv_{fmt}_m{rows}_n{p.bn}_k{p.bk}x{p.steps}_c{p.chunks}",
+    )(x, w, s, z)
+
+
+def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
+    """x2 [M, K] -> [M, N] through the kernel."""
+    rows, k = x2.shape
+    n = values.shape[-1]
+    p = plan(values.shape[0], n, fmt, group_size, config)
+    xf = x2.astype(jnp.float32)
+    if fmt == "int4":
+        pad = p.k_pad - values.shape[0]
+        xf = jnp.stack([xf[:, 0::2], xf[:, 1::2] * (1.0 / 16.0)], axis=1)  # [M, 2, K/2]
+        xf = jnp.pad(xf, ((0, 0), (0, 0), (0, pad)))
+    else:
+        xf = jnp.pad(xf, ((0, 0), (0, p.k_pad - k)))  # zero columns meet the masked (zero) weight rows
+    if fmt == "fp8":
+        values = jax.lax.bitcast_convert_type(values, jnp.uint8)
+    grouped = fmt == "int4" or group_size > 0
+    if scales is not None:
+        scales = scales.astype(jnp.float32)
+        if not grouped:
+            scales = jnp.broadcast_to(scales, (n,))
+    zeros = None if zeros is None else zeros.astype(jnp.float32)
+    inputs = (xf, values, scales, zeros)
+    out = _build_call(p, rows, x2.dtype, inputs, fmt=fmt, grouped=grouped, config=config, interpret=interpret)
+    if p.chunks > 1:
+        out = out.sum(axis=0)
+    return out.astype(x2.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public entry point and reference.
+# ---------------------------------------------------------------------------------------------------------
+def _validate(x, values, scales, zeros, fmt, group_size):
+    """Raises ValueError naming the bad argument; returns the logical (K, N)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"gemv: unknown fmt {fmt!r}; expected one of {FORMATS}")
+    if values.ndim != 2:
+        raise ValueError(f"gemv: values must be a 2-D weight [K, N], got shape {values.shape}")
+    if x.ndim < 1 or x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"gemv: x must be [..., K] bfloat16, float16 or float32, got {x.dtype}{x.shape}")
+    rows = math.prod(x.shape[:-1])
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"gemv: x has {rows} rows; the GEMV kernel takes 1 to {MAX_ROWS}")
+    kv, n = values.shape
+    expected = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}.get(fmt)
+    if fmt == "bf16" and values.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"gemv: fmt 'bf16' takes a float weight, got {values.dtype}")
+    if expected is not None and values.dtype != expected:
+        raise ValueError(f"gemv: fmt {fmt!r} stores values as {jnp.dtype(expected)}, got {values.dtype}")
+    k = 2 * kv if fmt == "int4" else kv
+    if x.shape[-1] != k:
+        raise ValueError(f"gemv: x's last axis {x.shape[-1]} != the weight's K {k}")
+    grouped = fmt == "int4" or (fmt == "int8" and group_size)
+    if fmt == "fp8" and group_size:
+        raise ValueError("gemv: fp8 takes per-channel or per-tensor scales, not groups")
+    if grouped:
+        if group_size not in (16, 32, 64, 128):
+            raise ValueError(f"gemv: {fmt} group_size must be 16, 32, 64 or 128, got {group_size}")
+        if k % group_size:
+            raise ValueError(f"gemv: K={k} is not a multiple of group_size={group_size}")
+        if scales is None or scales.shape != (k // group_size, n):
+            raise ValueError(f"gemv: {fmt} group scales must be [K/g, N]={(k // group_size, n)}")
+        if zeros is not None and (fmt != "int4" or zeros.shape != (k // group_size, n)):
+            raise ValueError(f"gemv: zero points are int4's only, [K/g, N]={(k // group_size, n)}")
+    elif fmt in ("int8", "fp8") and (scales is None or scales.shape not in ((n,), ())):
+        raise ValueError(f"gemv: {fmt} scales must be [N]={n} or [] (per tensor), got {scales}")
+    return k, n
+
+
+def gemv(
+    x: jax.Array,
+    values: jax.Array,
+    scales: jax.Array | None = None,
+    zeros: jax.Array | None = None,
+    *,
+    fmt: str = "bf16",
+    group_size: int = 0,
+    config: GemvConfig | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """x [..., K] @ dequantize(values, scales, zeros) [K, N] -> [..., N] in x's dtype (f32 accumulation), for
+    1 to MAX_ROWS rows of x.
+
+    Args:
+        x: activations [..., K] (bfloat16, float16 or float32).
+        values: stored weight (model/quant.py layouts): bf16 [K, N], int8 [K, N], float8_e4m3fn [K, N], or uint8
+            [K/2, N] for int4 (row 2i in the low nibble, 2i+1 in the high).
+        scales: int8 / fp8: f32 [N] or [] (per tensor); grouped int8 and int4: [K/g, N]; None for bf16.
+        zeros: int4 only: [K/g, N] integer-valued zero points (None: symmetric, zero point 8).
+        fmt: "bf16", "int8", "fp8" or "int4".
+        group_size: int4 (and grouped int8, GGUF Q8_0) group along K: 16, 32, 64 or 128.
+        config: tile sizes (GemvConfig()).
+        backend: None (this device's choice), "triton", "interpret" or "xla" (the reference).
+
+    Raises:
+        ValueError: shapes, dtypes, format, row count or backend do not fit.
+    """
+    _validate(x, values, scales, zeros, fmt, group_size)
+    resolved = resolve_backend(backend, KERNEL_NAME)
+    if resolved == "xla":
+        return reference(x, values, scales, zeros, fmt=fmt, group_size=group_size)
+    if resolved == "mosaic_gpu":
+        resolved = "triton"  # one Triton-lowered kernel serves every NVIDIA GPU
+    config = config or GemvConfig()
+    return _kernel_jit(
+        x, values, scales, zeros, fmt=fmt, group_size=group_size, config=config, interpret=resolved == "interpret"
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "config", "interpret"))
+def _kernel_jit(x, values, scales, zeros, *, fmt, group_size, config, interpret):
+    x2 = x.reshape(-1, x.shape[-1])
+    out = _pallas(x2, values, scales, zeros, fmt=fmt, group_size=group_size, config=config, interpret=interpret)
+    return out.reshape(*x.shape[:-1], values.shape[-1])
+
+
+def dequantize(values, scales=None, zeros=None, *, fmt="bf16", group_size=0) -> jax.Array:
+    """The logical weight [K, N] in float32 (plain jnp): quantized_matmul's formats plus grouped int8."""
+    if fmt == "int8" and group_size:
+        return values.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), group_size, axis=0)
+    return quantized_matmul.dequantize(values, scales, zeros, fmt=fmt, group_size=group_size)
+
+
+def reference(x, values, scales=None, zeros=None, *, fmt="bf16", group_size=0, config=None, backend=None):
+    """Plain-jnp oracle with gemv's signature: dequantise to f32, dot at HIGHEST, cast to x's dtype."""
+    del config, backend
+    _validate(x, values, scales, zeros, fmt, group_size)
+    w = dequantize(values, scales, zeros, fmt=fmt, group_size=group_size)
+    out = jnp.einsum("...k,kn->...n", x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
