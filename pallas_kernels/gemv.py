@@ -13,8 +13,10 @@ and its conversion costs one or two integer ops (full rate) plus at most one flo
     int8   f32(u8(b) ^ 0x4B000080) - (2^23 + 128)             (0x4B000000 is 2^23: the byte lands in the mantissa)
     fp8    f16 bits = (b & 0x80) << 8 | (b & 0x7F) << 7        is w * 2^-8 (e4m3's exponent bias is 7, f16's 15),
            e4m3 subnormals landing on f16 subnormals; f16 -> f32 is exact; each sum is scaled by 2^8
-    int4   lo: f32((b & 0x0F) | 0x4B000000) - (2^23 + z)       = code - z
-           hi: f32((b & 0xF0) | 0x4B000000) - (2^23 + 16 z)    = 16 (code - z); x's odd columns are pre-scaled by 1/16
+    int4   lo: f32((b & 0x0F) | 0x4B000000) - 2^23             = code
+           hi: f32((b & 0xF0) | 0x4B000000) - 2^23             = 16 code; x's odd columns are pre-scaled by 1/16
+           the zero point z (any float: GGUF Q4_1's are) leaves the inner loop: sum_k x_k (code_k - z) s =
+           s (sum_k x_k code_k) - s z (sum_k x_k), with the group sums of x computed once outside
 
 Data flow, grid = (N tiles, K chunks):
 
@@ -22,7 +24,8 @@ Data flow, grid = (N tiles, K chunks):
     bytes in flight per program, the memory-level parallelism a pure stream needs), then for each tile i:
         per-channel formats:  acc_r[bk, bn] += x[r, k_i : k_i + bk, None] * w_i
         grouped formats:      acc_r[bk, bn] += (x_r * w_i) * scale[group_i, None]     (one tile = one group)
-    and ends with one cross-thread reduction: out[c, r, n tile] = sum(acc_r, axis 0) (* per-channel scale)
+                              int4: corr_r[1, bn] += scale[group_i] * zero[group_i] * sum(x_r over group_i)
+    and ends with one cross-thread reduction: out[c, r, n tile] = sum(acc_r, axis 0) - corr_r (* per-channel scale)
     f32 partials [C, M, N] are summed (and cast) by XLA; C = 1 stores x's dtype directly.
 
 Weight layouts are those of model/quant.py ([K, N]; int4 [K/2, N] with row 2i in the low nibble); this module takes
@@ -113,12 +116,10 @@ def convert(tile, fmt: str, bit_convert: bool = True):
     raise ValueError(fmt)
 
 
-def convert_int4(packed, zero):
-    """uint8 [bk, bn] of two codes a byte -> (code_lo - zero, 16 (code_hi - zero)) in float32; zero [1, bn] or 8."""
+def convert_int4(packed):
+    """uint8 [bk, bn] of two codes a byte -> (code_lo, 16 code_hi) in float32."""
     u = _u32(packed)
-    lo = _f32((u & 0x0F) | MAGIC) - (2.0**23 + zero)
-    hi = _f32((u & 0xF0) | MAGIC) - (2.0**23 + 16.0 * zero)
-    return lo, hi
+    return _f32((u & 0x0F) | MAGIC) - 2.0**23, _f32((u & 0xF0) | MAGIC) - 2.0**23
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -148,6 +149,7 @@ def _load_row(ref, r, c0, width, masked: bool):
 
 def _gemv_kernel(
     x_ref,  # [M, Kp] f32 x; int4: [M, 2, Kp/2] even columns, odd columns / 16
+    xs_ref,  # int4 only: [M, Gp] f32 sums of x over each group (0 past K)
     w_ref,  # [K, N] bf16 / int8 / uint8 (fp8 bits); int4: [K/2, N] uint8
     s_ref,  # [N] f32 per-channel scale; grouped: [K/g, N]; None for bf16
     z_ref,  # int4 only: [K/g, N] f32 zero points, or None (symmetric: 8)
@@ -168,12 +170,13 @@ def _gemv_kernel(
     k0 = chunk * (steps * bk)  # first stored weight row of this program
     tiles = [_load(w_ref, k0 + i * bk, bk, n0, bn, masked_k or masked_n) for i in range(steps)]  # all in flight
     accs = [jnp.zeros((bk, bn), jnp.float32) for _ in range(rows)]  # [bk, bn] per row of x
+    corrs = [jnp.zeros((1, bn), jnp.float32) for _ in range(rows)]  # int4: the zero points' share
     for i, tile in enumerate(tiles):
         r0 = k0 + i * bk
         group = chunk * steps + i  # grouped formats: one tile = one group
         if fmt == "int4":
             zero = 8.0 if z_ref is None else _load_row(z_ref, group, n0, bn, masked_n)[None, :]  # [1, bn]
-            lo, hi = convert_int4(tile, zero)  # [bk, bn] each
+            lo, hi = convert_int4(tile)  # [bk, bn] each
         else:
             w = convert(tile, fmt, bit_convert)  # [bk, bn]
         scale = _load_row(s_ref, group, n0, bn, masked_n)[None, :] if grouped else None  # [1, bn]
@@ -183,9 +186,11 @@ def _gemv_kernel(
             else:
                 part = x_ref[r, pl.ds(r0, bk)][:, None] * w
             accs[r] = accs[r] + (part * scale if grouped else part)
+            if fmt == "int4":
+                corrs[r] = corrs[r] + (scale * zero) * xs_ref[r, group]
     cols = n0 + jnp.arange(bn)
     for r in range(rows):
-        out = jnp.sum(accs[r], axis=0)  # [bn]
+        out = jnp.sum(accs[r], axis=0) - (jnp.sum(corrs[r], axis=0) if fmt == "int4" else 0.0)  # [bn]
         if fmt == "fp8" and bit_convert:
             out = out * FP8_OUT_SCALE
         if s_ref is not None and not grouped:
@@ -231,7 +236,7 @@ def plan(k_rows: int, n: int, fmt: str, group_size: int, config: GemvConfig) -> 
 
 
 def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, grouped, config, interpret):
-    x, w, s, z = inputs
+    x, xs, w, s, z = inputs
     if p.chunks == 1:
         out_shape = out_struct((rows, p.n), out_dtype, [a for a in inputs if a is not None])
     else:
@@ -255,7 +260,7 @@ def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, grouped, config,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         name=f"gemv_{fmt}_m{rows}_n{p.bn}_k{p.bk}x{p.steps}_c{p.chunks}",
-    )(x, w, s, z)
+    )(x, xs, w, s, z)
 
 
 def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
@@ -266,6 +271,10 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
     xf = x2.astype(jnp.float32)
     if fmt == "int4":
         pad = p.k_pad - values.shape[0]
+        groups = p.k_pad // p.bk  # padded groups, one a tile
+        xs = jnp.pad(
+            xf.reshape(rows, k // group_size, group_size).sum(axis=-1), ((0, 0), (0, groups - k // group_size))
+        )
         xf = jnp.stack([xf[:, 0::2], xf[:, 1::2] * (1.0 / 16.0)], axis=1)  # [M, 2, K/2]
         xf = jnp.pad(xf, ((0, 0), (0, 0), (0, pad)))
     else:
@@ -278,7 +287,7 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
         if not grouped:
             scales = jnp.broadcast_to(scales, (n,))
     zeros = None if zeros is None else zeros.astype(jnp.float32)
-    inputs = (xf, values, scales, zeros)
+    inputs = (xf, xs if fmt == "int4" else None, values, scales, zeros)
     out = _build_call(p, rows, x2.dtype, inputs, fmt=fmt, grouped=grouped, config=config, interpret=interpret)
     if p.chunks > 1:
         out = out.sum(axis=0)

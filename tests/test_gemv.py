@@ -32,6 +32,7 @@ CASES = (
     ("int4_g32_asym_k224_n33", "int4", 224, 33, 32, True, False),
     ("int4_g64_sym_k256_n48", "int4", 256, 48, 64, False, False),
     ("int4_g128_asym_k384_n20", "int4", 384, 20, 128, True, False),
+    ("int4_g32_float_zero_k160_n40", "int4", 160, 40, 32, "float", False),  # GGUF Q4_1: zero = -min / scale
 )
 
 
@@ -39,6 +40,9 @@ def weight(rng, fmt, k, n, g, asym, per_tensor):
     if fmt == "int8" and g:  # GGUF Q8_0: int8 codes, one scale per group of g rows
         values = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
         return values, jnp.asarray(rng.uniform(0.1, 1, (k // g, n)), jnp.float32), None
+    if asym == "float":
+        values, scales, _ = make_weight(rng, fmt, k, n, g, False, per_tensor)
+        return values, scales, jnp.asarray(rng.uniform(-3, 18, (k // g, n)), jnp.float32)
     return make_weight(rng, fmt, k, n, g, asym, per_tensor)
 
 
@@ -104,10 +108,9 @@ def test_conversions_are_exact():
     np.testing.assert_array_equal((G.convert(b, "fp8") * G.FP8_OUT_SCALE)[finite], e4m3[finite])
     bf = jnp.asarray(np.random.default_rng(0).standard_normal(4096) * 1e3, jnp.bfloat16)
     np.testing.assert_array_equal(G.convert(bf, "bf16"), bf.astype(jnp.float32))
-    zero = jnp.float32(5.0)
-    lo, hi = G.convert_int4(b, zero)
-    np.testing.assert_array_equal(lo, (b & 0xF).astype(jnp.float32) - zero)
-    np.testing.assert_array_equal(hi, 16 * ((b >> 4).astype(jnp.float32) - zero))
+    lo, hi = G.convert_int4(b)
+    np.testing.assert_array_equal(lo, (b & 0xF).astype(jnp.float32))
+    np.testing.assert_array_equal(hi, 16 * (b >> 4).astype(jnp.float32))
 
 
 def test_lowers_to_triton_on_cpu(fake_hopper):  # noqa: F811
