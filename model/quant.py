@@ -190,6 +190,44 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
     return dataclasses.replace(w, stream=stream)
 
 
+# The GEMV (pallas_kernels/gemv.py): decode's smallest batches, every [K, N] format read as stored (no second copy),
+# the codes converted on the FMA units. The largest row count it takes per format, where it beat the other paths
+# on the H200 (BENCHMARKS.md, "GEMV"); 0 = never.
+GEMV_MAX_ROWS = {"bf16": 1, "int8": 1, "fp8": 1, "int4": 1}
+GEMV_BACKEND = "triton"  # tests set "interpret" to run it in the interpreter on a CPU
+
+
+def use_gemv(w: QuantizedArray | jax.Array, rows: int, x_dtype) -> bool:
+    """Whether matmul takes the GEMV for x [rows, K] @ w (a GPU that runs it, or the interpreter in tests)."""
+    from pallas_kernels.backend import device_supports
+
+    if isinstance(w, QuantizedArray):
+        grouped = w.fmt == "int4" or (w.fmt == "int8" and w.group_size)
+        fits = (
+            w.values.ndim == 2
+            and w.layout == "kn"
+            and (w.group_size in (16, 32, 64, 128) if grouped else not w.group_size)
+        )
+        fmt = w.fmt if fits else ""
+    else:
+        fmt = "bf16" if w.dtype in (jnp.bfloat16, jnp.float16) and w.ndim == 2 else ""
+    # One device only: under a mesh XLA's partitioner would gather a custom call's sharded weight onto every device.
+    return (
+        rows <= GEMV_MAX_ROWS.get(fmt, 0)
+        and x_dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
+        and (GEMV_BACKEND == "interpret" or (device_supports(GEMV_BACKEND) and jax.device_count() == 1))
+    )
+
+
+def _gemv_matmul(x, w: QuantizedArray | jax.Array, out_dtype):
+    from pallas_kernels.gemv import gemv
+
+    if not isinstance(w, QuantizedArray):
+        return gemv(x, w, fmt="bf16", backend=GEMV_BACKEND, out_dtype=out_dtype)
+    kw = dict(fmt=w.fmt, group_size=w.group_size, backend=GEMV_BACKEND, out_dtype=out_dtype)
+    return gemv(x, w.values, w.scales, w.zeros, **kw)
+
+
 STREAM_BACKEND = "mosaic_gpu"  # tests set "interpret" to run the streaming kernel in the interpreter on a CPU
 
 
@@ -274,6 +312,8 @@ def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.A
     if isinstance(w, QuantizedArray) and (w.pre_scale is not None or w.act_fmt):
         x = _prepare_input(x, w)
         w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)
+    if use_gemv(w, rows, x.dtype):
+        return _gemv_matmul(x, w, out_dtype)
     if isinstance(w, QuantizedArray) and _stream_ok(rows, x.dtype, out_dtype):
         stream = w.stream if w.stream is not None else _nk_stream(w)  # a W8A8 weight's decode reads its [N, K]
         if stream is not None:

@@ -263,8 +263,8 @@ def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, grouped, config,
     )(x, xs, w, s, z)
 
 
-def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
-    """x2 [M, K] -> [M, N] through the kernel."""
+def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, out_dtype):
+    """x2 [M, K] -> [M, N] in out_dtype through the kernel."""
     rows, k = x2.shape
     n = values.shape[-1]
     p = plan(values.shape[0], n, fmt, group_size, config)
@@ -288,10 +288,10 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
             scales = jnp.broadcast_to(scales, (n,))
     zeros = None if zeros is None else zeros.astype(jnp.float32)
     inputs = (xf, xs if fmt == "int4" else None, values, scales, zeros)
-    out = _build_call(p, rows, x2.dtype, inputs, fmt=fmt, grouped=grouped, config=config, interpret=interpret)
+    out = _build_call(p, rows, out_dtype, inputs, fmt=fmt, grouped=grouped, config=config, interpret=interpret)
     if p.chunks > 1:
         out = out.sum(axis=0)
-    return out.astype(x2.dtype)
+    return out.astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -344,9 +344,10 @@ def gemv(
     group_size: int = 0,
     config: GemvConfig | None = None,
     backend: str | None = None,
+    out_dtype=None,
 ) -> jax.Array:
-    """x [..., K] @ dequantize(values, scales, zeros) [K, N] -> [..., N] in x's dtype (f32 accumulation), for
-    1 to MAX_ROWS rows of x.
+    """x [..., K] @ dequantize(values, scales, zeros) [K, N] -> [..., N] in `out_dtype` (default x's; f32
+    accumulation), for 1 to MAX_ROWS rows of x.
 
     Args:
         x: activations [..., K] (bfloat16, float16 or float32).
@@ -358,27 +359,39 @@ def gemv(
         group_size: int4 (and grouped int8, GGUF Q8_0) group along K: 16, 32, 64 or 128.
         config: tile sizes (GemvConfig()).
         backend: None (this device's choice), "triton", "interpret" or "xla" (the reference).
+        out_dtype: the output's dtype (float32 keeps the accumulation: an LM head's logits).
 
     Raises:
         ValueError: shapes, dtypes, format, row count or backend do not fit.
     """
     _validate(x, values, scales, zeros, fmt, group_size)
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     resolved = resolve_backend(backend, KERNEL_NAME)
     if resolved == "xla":
-        return reference(x, values, scales, zeros, fmt=fmt, group_size=group_size)
+        return _reference(x, values, scales, zeros, fmt=fmt, group_size=group_size, out_dtype=out_dtype)
     if resolved == "mosaic_gpu":
         resolved = "triton"  # one Triton-lowered kernel serves every NVIDIA GPU
     config = config or GemvConfig()
+    interpret = resolved == "interpret"
     return _kernel_jit(
-        x, values, scales, zeros, fmt=fmt, group_size=group_size, config=config, interpret=resolved == "interpret"
+        x,
+        values,
+        scales,
+        zeros,
+        fmt=fmt,
+        group_size=group_size,
+        config=config,
+        interpret=interpret,
+        out_dtype=out_dtype,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "config", "interpret"))
-def _kernel_jit(x, values, scales, zeros, *, fmt, group_size, config, interpret):
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "config", "interpret", "out_dtype"))
+def _kernel_jit(x, values, scales, zeros, *, fmt, group_size, config, interpret, out_dtype=None):
     x2 = x.reshape(-1, x.shape[-1])
-    out = _pallas(x2, values, scales, zeros, fmt=fmt, group_size=group_size, config=config, interpret=interpret)
-    return out.reshape(*x.shape[:-1], values.shape[-1])
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    kw = dict(fmt=fmt, group_size=group_size, config=config, interpret=interpret, out_dtype=out_dtype)
+    return _pallas(x2, values, scales, zeros, **kw).reshape(*x.shape[:-1], values.shape[-1])
 
 
 def dequantize(values, scales=None, zeros=None, *, fmt="bf16", group_size=0) -> jax.Array:
@@ -388,10 +401,16 @@ def dequantize(values, scales=None, zeros=None, *, fmt="bf16", group_size=0) -> 
     return quantized_matmul.dequantize(values, scales, zeros, fmt=fmt, group_size=group_size)
 
 
-def reference(x, values, scales=None, zeros=None, *, fmt="bf16", group_size=0, config=None, backend=None):
+def reference(
+    x, values, scales=None, zeros=None, *, fmt="bf16", group_size=0, config=None, backend=None, out_dtype=None
+):
     """Plain-jnp oracle with gemv's signature: dequantise to f32, dot at HIGHEST, cast to x's dtype."""
     del config, backend
     _validate(x, values, scales, zeros, fmt, group_size)
+    return _reference(x, values, scales, zeros, fmt=fmt, group_size=group_size, out_dtype=out_dtype or x.dtype)
+
+
+def _reference(x, values, scales, zeros, *, fmt, group_size, out_dtype):
     w = dequantize(values, scales, zeros, fmt=fmt, group_size=group_size)
     out = jnp.einsum("...k,kn->...n", x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
-    return out.astype(x.dtype)
+    return out.astype(out_dtype)

@@ -154,3 +154,27 @@ def test_xla_backend_is_the_reference():
     np.testing.assert_array_equal(
         G.gemv(x, *w, fmt="int4", group_size=32, backend="xla"), G.reference(x, *w, fmt="int4", group_size=32)
     )
+
+
+@pytest.mark.parametrize("case", CASES[::2], ids=[c[0] for c in CASES[::2]])
+def test_model_door_takes_the_gemv_for_one_row(case, monkeypatch):
+    """model.quant.matmul sends a one-row x through the GEMV (the interpreter here) for every [K, N] format, with the
+    LM head's float32 output too, and equals the plain-jnp path; two rows take the old path."""
+    from model import quant
+
+    _, fmt, k, n, g, asym, per_tensor = case
+    monkeypatch.setattr(quant, "GEMV_BACKEND", "interpret")
+    calls = []
+    real = G.gemv
+    monkeypatch.setattr(G, "gemv", lambda *a, **kw: calls.append(kw["fmt"]) or real(*a, **kw))
+    values, scales, zeros = weight(np.random.default_rng(2), fmt, k, n, g, asym, per_tensor)
+    w = values if fmt == "bf16" else quant.QuantizedArray(values, scales, zeros, fmt=fmt, group_size=g)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 1, k)), jnp.bfloat16)
+    want = G.reference(x, values, scales, zeros, fmt=fmt, group_size=g, out_dtype=jnp.float32)
+    for out_dtype in (None, jnp.float32):
+        got = quant.matmul(x, w, out_dtype=out_dtype)
+        assert got.shape == (1, 1, n) and got.dtype == (out_dtype or x.dtype)
+        assert rel_err(got, want) < 4e-3
+    assert calls == [fmt, fmt]
+    quant.matmul(jnp.concatenate([x, x], axis=1), w)
+    assert len(calls) == 2
