@@ -15,6 +15,7 @@ methods applied to the random bf16 model (calibrated ones on its built-in text).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -82,7 +83,7 @@ def bench(
     pool_blocks = size_kv_pool(model, block_size, kv_dtype, 0.9, 1 << 30)
     concurrency = pool_blocks // blocks_8k
     print(
-        f"{preset} {fmt} kv={kv_cache_dtype}: weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
+        f"{preset} {fmt} kv={kv_cache_dtype} gemv_max_rows={quant_gemv_rows()}: weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
         f"({kv_bytes_per_block(model, block_size, kv_dtype) / 2**20:.2f} MiB each) = {concurrency} sequences of "
         f"{concurrency_context} tokens; init+quantise {init_s:.1f}s",
         flush=True,
@@ -168,6 +169,12 @@ def bench(
     return results
 
 
+def quant_gemv_rows() -> dict:
+    from model import quant
+
+    return quant.GEMV_MAX_ROWS
+
+
 def nnx_state(model):
     from flax import nnx
 
@@ -184,6 +191,12 @@ def main():
         "--stream_layout",
         action="store_true",
         help="quantised weights also in the Mosaic GPU streaming kernel's layout",
+    )
+    p.add_argument(
+        "--gemv",
+        default="on",
+        help="comma list of on / off: one-row projections through pallas_kernels/gemv.py (model.quant.GEMV_MAX_ROWS) "
+        "or the paths before it, each a run of its own in this process",
     )
     p.add_argument("--batches", default="1,64")
     p.add_argument("--ctx", type=int, default=1024)
@@ -214,20 +227,16 @@ def main():
         kv.PagedMeta.attend = attend_without_kernel
     batches = [int(x) for x in a.batches.split(",") if x]
     runs = []
-    for fmt in a.formats.split(","):
-        for kv in a.kv_cache_dtypes.split(","):
-            args = (a.preset, batches, a.ctx, a.steps, a.block_size, a.backend, a.repeats)
-            runs.append(
-                bench(
-                    *args,
-                    fmt=fmt,
-                    kv_cache_dtype=kv,
-                    concurrency_context=a.concurrency_context,
-                    stream_layout=a.stream_layout,
-                )
-            )
-            with open(a.out, "w") as f:  # rewritten after each run: a run cut short keeps what it finished
-                json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=2)
+    from model import quant
+
+    gemv_default = dict(quant.GEMV_MAX_ROWS)
+    for fmt, kv, gemv in itertools.product(a.formats.split(","), a.kv_cache_dtypes.split(","), a.gemv.split(",")):
+        quant.GEMV_MAX_ROWS = gemv_default if gemv == "on" else {}
+        args = (a.preset, batches, a.ctx, a.steps, a.block_size, a.backend, a.repeats)
+        kw = dict(fmt=fmt, kv_cache_dtype=kv, concurrency_context=a.concurrency_context, stream_layout=a.stream_layout)
+        runs.append(bench(*args, **kw) | {"gemv": gemv})
+        with open(a.out, "w") as f:  # rewritten after each run: a run cut short keeps what it finished
+            json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

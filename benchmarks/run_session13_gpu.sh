@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 13's H200 calls (issue 13 / 17: the GEMV decode kernel). One argument picks the call:
 #   gemv    GPU tests of pallas_kernels/gemv.py, then benchmarks/gemv.py (config sweep at M = 1, then the table)
+#   decode  Llama-3-8B shape, random weights, batch-1 decode per weight format with the GEMV on and off (same run)
 set -o pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
@@ -10,5 +11,9 @@ case "$1" in
 gemv)
   timeout 170 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -25
   timeout 390 python3 benchmarks/gemv.py --sweep --budget_s 170 --rows 1,4 --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
+  ;;
+decode)
+  timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 5 \
+    --formats ${FORMATS:-bf16,int8,int4_rtn,fp8} --gemv on,off --compilation_cache_dir "" --out "$OUT/decode_gemv.json" 2>&1 | tee "$OUT/decode_gemv.log" | grep -v Warning
   ;;
 esac
