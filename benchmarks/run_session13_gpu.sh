@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu -
 case "$1" in
 gemv)
   timeout 170 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -25
-  timeout 390 python3 benchmarks/gemv.py --sweep --budget_s 170 --rows 1,4 --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
+  timeout 390 python3 benchmarks/gemv.py --sweep --budget_s 170 --rows 1,4,64 --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
   ;;
 decode)
   timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 5 \

@@ -55,6 +55,10 @@ class QuantizedMatmulConfig:
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the K loop.
         prefetch: load the next K step's weight tiles before computing this one (opt-in: not yet measured).
+        bit_convert: int8 and int4 codes become bf16 through integer bit tricks instead of the I2F/F2F conversion
+            units (bf16 x only): int8 v = bf16(0x4300 | v & 0x7F) - bf16(0x4300 | v & 0x80), i.e. (128 + low 7
+            bits) - (128 or 256); int4 dots 128 + code (bf16 0x4300 | code) and subtracts (128 + zero) * sum(x) per
+            group (the zero point leaves the inner loop, so float zero points stay exact).
     """
 
     block_m: int = 64
@@ -64,6 +68,7 @@ class QuantizedMatmulConfig:
     num_warps: int = 4
     num_stages: int = 4
     prefetch: bool = False
+    bit_convert: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -174,6 +179,7 @@ def _dense_kernel(
     steps_per_split: int,
     fp8_bits: bool,
     prefetch: bool,
+    bit_convert: bool,
 ):
     m0, n0, first, last = _program_range(bm, bn, num_steps, steps_per_split)
 
@@ -184,6 +190,9 @@ def _dense_kernel(
         x = x_ref[pl.ds(m0, bm), pl.ds(i * bk, bk)]  # [bm, bk]
         if fp8_bits:  # masked loads cannot fill an fp8 tile in Triton's lowering: load the bytes, then view them
             w = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
+        if bit_convert and w.dtype == jnp.int8:
+            u = jax.lax.bitcast_convert_type(w, jnp.uint8).astype(jnp.uint16)
+            w = _bf16(0x4300 | (u & 0x7F)) - _bf16(0x4300 | (u & 0x80))  # exact: (128 + low bits) - (128 or 256)
         return acc + _dot(x, w.astype(x.dtype))
 
     acc = _k_loop(first, last, load, step, jnp.zeros((bm, bn), jnp.float32), prefetch)  # [bm, bn]
@@ -192,7 +201,12 @@ def _dense_kernel(
     _store(o_ref, acc, _split_row(m0, mp, num_splits), n0)
 
 
+def _bf16(bits_u16):
+    return jax.lax.bitcast_convert_type(bits_u16, jnp.bfloat16)
+
+
 def _int4_kernel(
+    xs_ref,  # bit_convert: [Mp, K/g] f32 sums of x over each group; else None
     xe_ref,  # [Mp, K/2] compute dtype: x's even K columns (low nibbles)
     xo_ref,  # [Mp, K/2] compute dtype: x's odd K columns (high nibbles)
     w_ref,  # [K/2, N] uint8, two codes a byte
@@ -222,9 +236,15 @@ def _int4_kernel(
             xe = xe_ref[pl.ds(m0, bm), pl.ds(group * half, half)]  # [bm, g/2]
             xo = xo_ref[pl.ds(m0, bm), pl.ds(group * half, half)]  # [bm, g/2]
             zero = 8.0 if z_ref is None else _load_row(z_ref, group, n0, bn)[None, :]  # [1, bn]
+            scale = _load_row(s_ref, group, n0, bn)[None, :]  # [1, bn]
+            if xs_ref is not None:  # bit_convert: dot 128 + code, then take (128 + zero) * sum(x) off
+                u = packed.astype(jnp.uint16)
+                lo, hi = _bf16((u & 0xF) | 0x4300), _bf16(((u >> 4) & 0xF) | 0x4300)  # [g/2, bn]
+                xs = xs_ref[pl.ds(m0, bm), group][:, None]  # [bm, 1]
+                acc = acc + (_dot(xe, lo) + _dot(xo, hi) - (128.0 + zero) * xs) * scale
+                continue
             lo = ((packed & 0xF).astype(jnp.float32) - zero).astype(xe.dtype)  # [g/2, bn], exact integers
             hi = ((packed >> 4).astype(jnp.float32) - zero).astype(xe.dtype)
-            scale = _load_row(s_ref, group, n0, bn)[None, :]  # [1, bn]
             acc = acc + (_dot(xe, lo) + _dot(xo, hi)) * scale
         return acc
 
@@ -282,7 +302,8 @@ def _build_call(p: _Plan, n: int, out_dtype, inputs, *, fmt, group_size, config,
     if fmt == "int4":
         kernel = functools.partial(_int4_kernel, group_size=group_size, groups_per_step=p.bk // group_size, **common)
     else:
-        kernel = functools.partial(_dense_kernel, bk=p.bk, fp8_bits=fp8_needs_bits(fmt, inputs[1].shape, p), **common)
+        bits = fp8_needs_bits(fmt, inputs[1].shape, p)
+        kernel = functools.partial(_dense_kernel, bk=p.bk, fp8_bits=bits, bit_convert=config.bit_convert, **common)
     if p.num_splits == 1:
         out_shape = out_struct((p.mp, n), out_dtype, [a for a in inputs if a is not None])
     else:
@@ -309,8 +330,11 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
     p = plan(m, k, n, fmt, group_size, config)
     xp = jnp.pad(x2, ((0, p.mp - m), (0, p.num_steps * p.bk - k)))  # [Mp, Kp]
     if fmt == "int4":
-        inputs = (xp[:, 0::2], xp[:, 1::2], values, scales.astype(jnp.float32), zeros)
-        inputs = inputs[:4] + (None if zeros is None else zeros.astype(jnp.float32),)
+        xs = None
+        if config.bit_convert and x2.dtype == jnp.bfloat16:  # group sums of the bf16 x the dots see
+            xs = xp[:, :k].astype(jnp.float32).reshape(p.mp, k // group_size, group_size).sum(axis=-1)
+        inputs = (xs, xp[:, 0::2], xp[:, 1::2], values, scales.astype(jnp.float32), zeros)
+        inputs = inputs[:5] + (None if zeros is None else zeros.astype(jnp.float32),)
     elif fmt == "bf16":
         inputs = (xp, values, None)
     else:

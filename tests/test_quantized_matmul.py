@@ -96,11 +96,34 @@ def test_prefetch_matches_reference(case):
     assert rel_err(got, qmm.reference(x, *w, fmt=fmt, group_size=g)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bit_convert_matches_reference(case, m):
+    """int8 / int4 codes to bf16 by bit tricks (int4 with its zero point out of the inner loop, float zero points
+    included); the other formats ignore the flag."""
+    _, fmt, k, n, g, asym, per_tensor = case
+    rng = np.random.default_rng(13 + m)
+    values, scales, zeros = make_weight(rng, fmt, k, n, g, asym, per_tensor)
+    if zeros is not None:
+        zeros = zeros + jnp.asarray(rng.uniform(-0.5, 0.5, zeros.shape), jnp.float32)  # GGUF Q4_1's are floats
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    config = dataclasses.replace(SMALL, bit_convert=True)
+    got = qmm.quantized_matmul(x, values, scales, zeros, fmt=fmt, group_size=g, config=config, backend="interpret")
+    assert rel_err(got, qmm.reference(x, values, scales, zeros, fmt=fmt, group_size=g)) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
 class TestTriton(QuantizedMatmulTestBase):
     backend = "triton"
     config = qmm.QuantizedMatmulConfig()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+class TestTritonBitConvert(QuantizedMatmulTestBase):
+    backend = "triton"
+    config = qmm.QuantizedMatmulConfig(bit_convert=True)
 
 
 def test_config_validates():
@@ -154,7 +177,8 @@ def test_lowers_to_triton_on_cpu(fake_hopper, case):
     _, fmt, k, n, g, asym, per_tensor = case
     w = make_weight(np.random.default_rng(0), fmt, k, n, g, asym, per_tensor)
     x = jax.ShapeDtypeStruct((3, k), jnp.bfloat16)
-    for config in (qmm.QuantizedMatmulConfig(), SMALL, qmm.QuantizedMatmulConfig(prefetch=True)):
+    configs = (qmm.QuantizedMatmulConfig(), SMALL, qmm.QuantizedMatmulConfig(prefetch=True))
+    for config in (*configs, qmm.QuantizedMatmulConfig(bit_convert=True)):
 
         def f(x, v, s, z, config=config):
             return qmm._kernel_jit(x, v, s, z, fmt=fmt, group_size=g, config=config, interpret=False)
