@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -86,11 +87,16 @@ def peers(fmt_name, k, n, m, x, weights):
             lambda x, w: jnp.dot(x, G.dequantize(*w, fmt=fmt, group_size=g).astype(x.dtype)), x, weights
         )
     if not g or fmt == "int4":
-        call = lambda x, w: qmm._kernel_jit(
-            x, *w, fmt=fmt, group_size=g, config=qmm.QuantizedMatmulConfig(), interpret=False
-        )  # noqa: E731
-        out["qmm_tensor_core"] = qb.stream_seconds(call, x, weights)
+        for name, bits in (("qmm", False), ("qmm_bits", True)):
+            if not bits or fmt in ("int8", "int4"):
+                config = qmm.QuantizedMatmulConfig(bit_convert=bits)
+                call = functools.partial(_qmm, fmt=fmt, group_size=g, config=config)
+                out[name] = qb.stream_seconds(call, x, weights)
     return out
+
+
+def _qmm(x, w, *, fmt, group_size, config):
+    return qmm._kernel_jit(x, *w, fmt=fmt, group_size=group_size, config=config, interpret=False)
 
 
 def torch_bf16(k, n, m):
@@ -168,7 +174,8 @@ def main(argv=None):
             for m in map(int, args.rows.split(",")):
                 x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
                 row = dict(fmt=fmt_name, k=k, n=n, m=m, bytes=b, config=dataclasses.asdict(config))
-                row["gemv"] = b / checked_seconds(fmt_name, config, x, weights) / 1e12
+                if m <= G.MAX_ROWS:
+                    row["gemv"] = b / checked_seconds(fmt_name, config, x, weights) / 1e12
                 if not args.skip_peers:
                     row |= {name: b / sec / 1e12 for name, sec in peers(fmt_name, k, n, m, x, weights).items()}
                     if fmt_name == "bf16":
