@@ -9,8 +9,11 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv
 case "$1" in
 gemv)
-  timeout 170 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -25
-  timeout 390 python3 benchmarks/gemv.py --sweep --budget_s 170 --rows 1,4,64 --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
+  timeout 130 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -25
+  timeout 300 python3 benchmarks/gemv.py --sweep --budget_s 140 --rows 1 --shapes 4096x6144,4096x4096,4096x28672,14336x4096,4096x14336 \
+    --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
+  timeout 140 python3 benchmarks/gemv.py --rows 64 --formats int8,int4_g128,int4_g32_asym --shapes 4096x14336,14336x4096 \
+    --out "$OUT/qmm_bits_m64.json" 2>&1 | tee "$OUT/qmm_bits_m64.log"
   ;;
 decode)
   timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 5 \
