@@ -2,7 +2,11 @@
 # Session 13's H200 calls (issue 13 / 17: the GEMV decode kernel). One argument picks the call:
 #   gemv    GPU tests of pallas_kernels/gemv.py, then benchmarks/gemv.py (config sweep at M = 1, then the table)
 #   decode  Llama-3-8B shape, random weights, batch-1 decode per weight format with the GEMV on and off (same run)
+# The default model arrives in two halves (benchmarks/gpu_model_setup.sh): the gemv call carries .gpu_carry/a and
+# parks it, the engine call carries .gpu_carry/b on the same warm machine.
+#   engine  the engine's GPU tests (session 12's leftover, now with the GEMV on at one row) and the spec loop's
 set -o pipefail
+source benchmarks/gpu_model_setup.sh
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,5 +22,10 @@ gemv)
 decode)
   timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 5 \
     --formats ${FORMATS:-bf16,int8,int4_rtn,fp8} --gemv on,off --compilation_cache_dir "" --out "$OUT/decode_gemv.json" 2>&1 | tee "$OUT/decode_gemv.log" | grep -v Warning
+  ;;
+engine)
+  [ -f $M ] || { echo "SmolLM2 not assembled: stopping"; exit 3; }
+  timeout 560 python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_spec_device_loop.py \
+    tests/test_quantized_matmul.py 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -30
   ;;
 esac
