@@ -4,10 +4,10 @@
 #   decode  Llama-3-8B shape, random weights, batch-1 decode per weight format with the GEMV on and off (same run)
 # The default model arrives in two halves (benchmarks/gpu_model_setup.sh): the gemv call carries .gpu_carry/a and
 # parks it, the engine call carries .gpu_carry/b on the same warm machine.
-#   engine  the engine's GPU tests (session 12's leftover, now with the GEMV on at one row) and the spec loop's
+#   engine  the engine GPU tests (session 12 leftover; the GEMV now runs one-row decode) and the kernels
 set -o pipefail
 source benchmarks/gpu_model_setup.sh
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv
