@@ -198,6 +198,11 @@ def main():
         help="comma list of on / off: one-row projections through pallas_kernels/gemv.py (model.quant.GEMV_MAX_ROWS) "
         "or the paths before it, each a run of its own in this process",
     )
+    p.add_argument(
+        "--gemv_configs",
+        default="",
+        help="a benchmarks/gemv.py --sweep JSON: its best config per format replaces model.quant.GEMV_CONFIGS",
+    )
     p.add_argument("--batches", default="1,64")
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
@@ -230,6 +235,13 @@ def main():
     from model import quant
 
     gemv_default = dict(quant.GEMV_MAX_ROWS)
+    if a.gemv_configs:
+        from pallas_kernels.gemv import GemvConfig
+
+        with open(a.gemv_configs) as f:
+            best = json.load(f)["best"]
+        quant.GEMV_CONFIGS.update({k: GemvConfig(**v) for k, v in best.items()})
+        print(f"GEMV configs: {quant.GEMV_CONFIGS}", flush=True)
     for fmt, kv, gemv in itertools.product(a.formats.split(","), a.kv_cache_dtypes.split(","), a.gemv.split(",")):
         quant.GEMV_MAX_ROWS = gemv_default if gemv == "on" else {}
         args = (a.preset, batches, a.ctx, a.steps, a.block_size, a.backend, a.repeats)

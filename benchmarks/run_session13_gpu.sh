@@ -19,9 +19,16 @@ gemv)
   timeout 140 python3 benchmarks/gemv.py --rows 64 --formats int8,int4_g128,int4_g32_asym --shapes 4096x14336,14336x4096 \
     --out "$OUT/qmm_bits_m64.json" 2>&1 | tee "$OUT/qmm_bits_m64.log"
   ;;
-decode)
-  timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 5 \
-    --formats ${FORMATS:-bf16,int8,int4_rtn,fp8} --gemv on,off --compilation_cache_dir "" --out "$OUT/decode_gemv.json" 2>&1 | tee "$OUT/decode_gemv.log" | grep -v Warning
+gemv2)  # the second sweep (small unrolled programs, loops with tiles in flight); its best configs stay in /tmp
+  timeout 330 python3 benchmarks/gemv.py --sweep --budget_s 230 --rows 1 --formats bf16,int8,int4_g128,fp8,int4_g32_asym \
+    --shapes 4096x6144,4096x4096,4096x28672,14336x4096 --out "$OUT/gemv2.json" 2>&1 | tee "$OUT/gemv2.log" | grep -v "^sweep"
+  cp "$OUT/gemv2.json" /tmp/gemv_best.json
+  ;;
+decode)  # after gemv2 on the same warm machine (its configs), else the defaults
+  CONFIGS=""; [ -f /tmp/gemv_best.json ] && CONFIGS="--gemv_configs /tmp/gemv_best.json"
+  timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 3 \
+    --formats ${FORMATS:-bf16,int4_rtn,int8,fp8} --gemv on,off $CONFIGS --compilation_cache_dir "" \
+    --out "$OUT/decode_gemv.json" 2>&1 | tee "$OUT/decode_gemv.log" | grep -v Warning
   ;;
 engine)
   [ -f $M ] || { echo "SmolLM2 not assembled: stopping"; exit 3; }

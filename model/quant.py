@@ -194,6 +194,9 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
 # the codes converted on the FMA units. The largest row count it takes per format, where it beat the other paths
 # on the H200 (BENCHMARKS.md, "GEMV"); 0 = never.
 GEMV_MAX_ROWS = {"bf16": 1, "int8": 1, "fp8": 1, "int4": 1}
+# Tile configs per format (pallas_kernels.gemv.GemvConfig; "int8_g" is grouped int8), from the H200/H100 sweeps of
+# benchmarks/gemv.py; a format not listed takes GemvConfig().
+GEMV_CONFIGS: dict[str, Any] = {}
 GEMV_BACKEND = "triton"  # tests set "interpret" to run it in the interpreter on a CPU
 
 
@@ -223,8 +226,9 @@ def _gemv_matmul(x, w: QuantizedArray | jax.Array, out_dtype):
     from pallas_kernels.gemv import gemv
 
     if not isinstance(w, QuantizedArray):
-        return gemv(x, w, fmt="bf16", backend=GEMV_BACKEND, out_dtype=out_dtype)
-    kw = dict(fmt=w.fmt, group_size=w.group_size, backend=GEMV_BACKEND, out_dtype=out_dtype)
+        return gemv(x, w, fmt="bf16", config=GEMV_CONFIGS.get("bf16"), backend=GEMV_BACKEND, out_dtype=out_dtype)
+    config = GEMV_CONFIGS.get(w.fmt + ("_g" if w.fmt == "int8" and w.group_size else ""))
+    kw = dict(fmt=w.fmt, group_size=w.group_size, config=config, backend=GEMV_BACKEND, out_dtype=out_dtype)
     return gemv(x, w.values, w.scales, w.zeros, **kw)
 
 

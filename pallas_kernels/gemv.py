@@ -23,8 +23,8 @@ Data flow, grid = (N tiles, K chunks):
     program (j, c) issues the loads of its `steps` weight tiles [bk, bn] first (a static unroll: steps * bk * bn
     bytes in flight per program, the memory-level parallelism a pure stream needs), then for each tile i:
         per-channel formats:  acc_r[bk, bn] += x[r, k_i : k_i + bk, None] * w_i
-        grouped formats:      acc_r[bk, bn] += (x_r * w_i) * scale[group_i, None]     (one tile = one group)
-                              int4: corr_r[1, bn] += scale[group_i] * zero[group_i] * sum(x_r over group_i)
+        grouped formats:      acc_r[bk, bn] += (x_r * w_i) * scale[group_i, None]     (a tile inside one group)
+                              int4: corr_r[1, bn] += scale[group_i] * zero[group_i] * sum(x_r over tile i)
     and ends with one cross-thread reduction: out[c, r, n tile] = sum(acc_r, axis 0) - corr_r (* per-channel scale)
     f32 partials [C, M, N] are summed (and cast) by XLA; C = 1 stores x's dtype directly.
 
@@ -59,10 +59,12 @@ class GemvConfig:
 
     Attributes:
         block_n: weight columns per program.
-        block_k: weight rows per tile (grouped formats: one group a tile, so this is ignored).
+        block_k: weight rows per tile (grouped formats: at most one group's rows).
         steps: tiles per program, all loaded before the first multiply (bytes in flight = steps * tile bytes).
         num_warps: Triton warps per program.
         bit_convert: the integer bit-trick conversions above (False: plain dtype casts, for comparison).
+        depth: 0 unrolls the `steps` tiles with every load issued first; d > 0 runs them in a loop that keeps d tiles
+            in flight (a register ring), so a program streams continuously over many tiles.
     """
 
     block_n: int = 128
@@ -70,6 +72,7 @@ class GemvConfig:
     steps: int = 8
     num_warps: int = 4
     bit_convert: bool = True
+    depth: int = 0
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -78,6 +81,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two >= 8, got {value}")
         if self.steps < 1:
             raise ValueError(f"GemvConfig.steps must be >= 1, got {self.steps}")
+        if not 0 <= self.depth <= 8:
+            raise ValueError(f"GemvConfig.depth must be 0 (unrolled) to 8 tiles in flight, got {self.depth}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemvConfig.num_warps must be a power of 2 <= 16, got {self.num_warps}")
 
@@ -149,7 +154,7 @@ def _load_row(ref, r, c0, width, masked: bool):
 
 def _gemv_kernel(
     x_ref,  # [M, Kp] f32 x; int4: [M, 2, Kp/2] even columns, odd columns / 16
-    xs_ref,  # int4 only: [M, Gp] f32 sums of x over each group (0 past K)
+    xs_ref,  # int4 only: [M, tiles] f32 sums of x over each tile's K columns (0 past K)
     w_ref,  # [K, N] bf16 / int8 / uint8 (fp8 bits); int4: [K/2, N] uint8
     s_ref,  # [N] f32 per-channel scale; grouped: [K/g, N]; None for bf16
     z_ref,  # int4 only: [K/g, N] f32 zero points, or None (symmetric: 8)
@@ -160,6 +165,8 @@ def _gemv_kernel(
     bk: int,
     bn: int,
     steps: int,
+    depth: int,
+    per_group: int,
     grouped: bool,
     masked_k: bool,
     masked_n: bool,
@@ -168,26 +175,54 @@ def _gemv_kernel(
     n0 = pl.program_id(0) * bn
     chunk = pl.program_id(1)
     k0 = chunk * (steps * bk)  # first stored weight row of this program
-    tiles = [_load(w_ref, k0 + i * bk, bk, n0, bn, masked_k or masked_n) for i in range(steps)]  # all in flight
-    accs = [jnp.zeros((bk, bn), jnp.float32) for _ in range(rows)]  # [bk, bn] per row of x
-    corrs = [jnp.zeros((1, bn), jnp.float32) for _ in range(rows)]  # int4: the zero points' share
-    for i, tile in enumerate(tiles):
+
+    def fetch(i):
+        """Everything tile i of this program needs, loaded (asynchronously) ahead of its use."""
         r0 = k0 + i * bk
-        group = chunk * steps + i  # grouped formats: one tile = one group
+        group = r0 // per_group  # grouped formats: a tile lies inside one group
+        tile = _load(w_ref, r0, bk, n0, bn, masked_k or masked_n)  # [bk, bn]
         if fmt == "int4":
-            zero = 8.0 if z_ref is None else _load_row(z_ref, group, n0, bn, masked_n)[None, :]  # [1, bn]
+            xr = [(x_ref[r, 0, pl.ds(r0, bk)], x_ref[r, 1, pl.ds(r0, bk)], xs_ref[r, r0 // bk]) for r in range(rows)]
+        else:
+            xr = [x_ref[r, pl.ds(r0, bk)] for r in range(rows)]  # [bk] per row
+        scale = _load_row(s_ref, group, n0, bn, masked_n) if grouped else None  # [bn]
+        zero = _load_row(z_ref, group, n0, bn, masked_n) if z_ref is not None else None
+        return tile, xr, scale, zero
+
+    def step(fetched, carry):
+        tile, xr, scale, zero = fetched
+        accs, corrs = carry
+        if fmt == "int4":
             lo, hi = convert_int4(tile)  # [bk, bn] each
+            scale_zero = scale[None, :] * (8.0 if zero is None else zero[None, :])  # [1, bn]
         else:
             w = convert(tile, fmt, bit_convert)  # [bk, bn]
-        scale = _load_row(s_ref, group, n0, bn, masked_n)[None, :] if grouped else None  # [1, bn]
+        new_accs, new_corrs = [], []
         for r in range(rows):
             if fmt == "int4":
-                part = x_ref[r, 0, pl.ds(r0, bk)][:, None] * lo + x_ref[r, 1, pl.ds(r0, bk)][:, None] * hi
+                xe, xo, xs = xr[r]
+                part = xe[:, None] * lo + xo[:, None] * hi
+                new_corrs.append(corrs[r] + scale_zero * xs)
             else:
-                part = x_ref[r, pl.ds(r0, bk)][:, None] * w
-            accs[r] = accs[r] + (part * scale if grouped else part)
-            if fmt == "int4":
-                corrs[r] = corrs[r] + (scale * zero) * xs_ref[r, group]
+                part = xr[r][:, None] * w
+            new_accs.append(accs[r] + (part * scale[None, :] if grouped else part))
+        return new_accs, (new_corrs if fmt == "int4" else corrs)
+
+    carry = ([jnp.zeros((bk, bn), jnp.float32)] * rows, [jnp.zeros((1, bn), jnp.float32)] * rows)
+    if depth == 0:  # static unroll: every tile's loads issued before the first multiply
+        fetched = [fetch(i) for i in range(steps)]
+        for f in fetched:
+            carry = step(f, carry)
+    else:  # a loop that keeps `depth` tiles in flight: tile i + depth is loaded while tile i is multiplied
+
+        def body(i, state):
+            carry, ahead = state
+            nxt = fetch(jnp.minimum(i + depth, steps - 1))
+            return step(ahead[0], carry), (*ahead[1:], nxt)
+
+        ahead = tuple(fetch(i) for i in range(depth))
+        carry, _ = jax.lax.fori_loop(0, steps, body, (carry, ahead))
+    accs, corrs = carry
     cols = n0 + jnp.arange(bn)
     for r in range(rows):
         out = jnp.sum(accs[r], axis=0) - (jnp.sum(corrs[r], axis=0) if fmt == "int4" else 0.0)  # [bn]
@@ -222,20 +257,23 @@ class _Plan:
         return self.chunks * self.steps * self.bk
 
 
+def group_rows(fmt: str, group_size: int) -> int:
+    """Stored weight rows per group (int4 packs two K rows a byte row)."""
+    return group_size // 2 if fmt == "int4" else group_size
+
+
 def plan(k_rows: int, n: int, fmt: str, group_size: int, config: GemvConfig) -> _Plan:
-    """Tiles of one call: grouped formats take one group a tile; steps shrink for short K (no empty tiles)."""
-    grouped = fmt == "int4" or group_size > 0
-    if grouped:
-        bk = group_size // 2 if fmt == "int4" else group_size
-    else:
-        bk = min(config.block_k, max(8, 1 << (k_rows - 1).bit_length()))
+    """Tiles of one call: a grouped format's tile lies inside one group; steps shrink for short K (no empty tiles)."""
+    bk = min(config.block_k, max(8, 1 << (k_rows - 1).bit_length()))
+    if fmt == "int4" or group_size > 0:
+        bk = min(bk, group_rows(fmt, group_size))
     bn = min(config.block_n, max(16, 1 << (n - 1).bit_length()))
     tiles = -(-k_rows // bk)
     steps = min(config.steps, tiles)
     return _Plan(bk, bn, steps, -(-tiles // steps), k_rows, n)
 
 
-def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, grouped, config, interpret):
+def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, group_size, grouped, config, interpret):
     x, xs, w, s, z = inputs
     if p.chunks == 1:
         out_shape = out_struct((rows, p.n), out_dtype, [a for a in inputs if a is not None])
@@ -248,6 +286,8 @@ def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, grouped, config,
         bk=p.bk,
         bn=p.bn,
         steps=p.steps,
+        depth=min(config.depth, p.steps),
+        per_group=group_rows(fmt, group_size) if grouped else 1,
         grouped=grouped,
         masked_k=p.k_pad != p.k_rows,
         masked_n=p.n % p.bn != 0,
@@ -259,7 +299,7 @@ def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, grouped, config,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
-        name=f"gemv_{fmt}_m{rows}_n{p.bn}_k{p.bk}x{p.steps}_c{p.chunks}",
+        name=f"gemv_{fmt}_m{rows}_n{p.bn}_k{p.bk}x{p.steps}_d{config.depth}_c{p.chunks}",
     )(x, xs, w, s, z)
 
 
@@ -271,10 +311,8 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, ou
     xf = x2.astype(jnp.float32)
     if fmt == "int4":
         pad = p.k_pad - values.shape[0]
-        groups = p.k_pad // p.bk  # padded groups, one a tile
-        xs = jnp.pad(
-            xf.reshape(rows, k // group_size, group_size).sum(axis=-1), ((0, 0), (0, groups - k // group_size))
-        )
+        tiles = k // (2 * p.bk)  # the sums of x over each tile's 2 bk columns, 0 for the padded tiles
+        xs = jnp.pad(xf.reshape(rows, tiles, 2 * p.bk).sum(axis=-1), ((0, 0), (0, p.k_pad // p.bk - tiles)))
         xf = jnp.stack([xf[:, 0::2], xf[:, 1::2] * (1.0 / 16.0)], axis=1)  # [M, 2, K/2]
         xf = jnp.pad(xf, ((0, 0), (0, 0), (0, pad)))
     else:
@@ -288,7 +326,8 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, ou
             scales = jnp.broadcast_to(scales, (n,))
     zeros = None if zeros is None else zeros.astype(jnp.float32)
     inputs = (xf, xs if fmt == "int4" else None, values, scales, zeros)
-    out = _build_call(p, rows, out_dtype, inputs, fmt=fmt, grouped=grouped, config=config, interpret=interpret)
+    kw = dict(fmt=fmt, group_size=group_size, grouped=grouped, config=config, interpret=interpret)
+    out = _build_call(p, rows, out_dtype, inputs, **kw)
     if p.chunks > 1:
         out = out.sum(axis=0)
     return out.astype(out_dtype)
