@@ -194,9 +194,16 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
 # the codes converted on the FMA units. The largest row count it takes per format, where it beat the other paths
 # on the H200 (BENCHMARKS.md, "GEMV"); 0 = never.
 GEMV_MAX_ROWS = {"bf16": 1, "int8": 1, "fp8": 1, "int4": 1}
-# Tile configs per format (pallas_kernels.gemv.GemvConfig; "int8_g" is grouped int8), from the H200/H100 sweeps of
-# benchmarks/gemv.py; a format not listed takes GemvConfig().
-GEMV_CONFIGS: dict[str, Any] = {}
+# Tile configs per format as GemvConfig fields (block_n, block_k, steps, num_warps, bit_convert; "int8_g" is grouped
+# int8): the fastest of 12 on 4096x14336 at M = 1 in session 13's H100 sweep (benchmarks/results/
+# gemv_h100_session13.log; fp8 converts faster through the hardware cast there, int8 4-11% faster through the bits).
+GEMV_CONFIGS: dict[str, Any] = {
+    "bf16": dict(block_n=128, block_k=64, steps=4, num_warps=4),
+    "int8": dict(block_n=128, block_k=8, steps=16, num_warps=4),
+    "int8_g": dict(block_n=128, block_k=32, steps=4, num_warps=2),
+    "fp8": dict(block_n=128, block_k=32, steps=8, num_warps=4, bit_convert=False),
+    "int4": dict(block_n=64, block_k=64, steps=8, num_warps=4),
+}
 GEMV_BACKEND = "triton"  # tests set "interpret" to run it in the interpreter on a CPU
 
 
@@ -223,11 +230,12 @@ def use_gemv(w: QuantizedArray | jax.Array, rows: int, x_dtype) -> bool:
 
 
 def _gemv_matmul(x, w: QuantizedArray | jax.Array, out_dtype):
-    from pallas_kernels.gemv import gemv
+    from pallas_kernels.gemv import GemvConfig, gemv
 
     if not isinstance(w, QuantizedArray):
-        return gemv(x, w, fmt="bf16", config=GEMV_CONFIGS.get("bf16"), backend=GEMV_BACKEND, out_dtype=out_dtype)
-    config = GEMV_CONFIGS.get(w.fmt + ("_g" if w.fmt == "int8" and w.group_size else ""))
+        config = GemvConfig(**GEMV_CONFIGS.get("bf16", {}))
+        return gemv(x, w, fmt="bf16", config=config, backend=GEMV_BACKEND, out_dtype=out_dtype)
+    config = GemvConfig(**GEMV_CONFIGS.get(w.fmt + ("_g" if w.fmt == "int8" and w.group_size else ""), {}))
     kw = dict(fmt=w.fmt, group_size=w.group_size, config=config, backend=GEMV_BACKEND, out_dtype=out_dtype)
     return gemv(x, w.values, w.scales, w.zeros, **kw)
 
