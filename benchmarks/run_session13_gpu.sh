@@ -36,9 +36,9 @@ engine)
     tests/test_quantized_matmul.py 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -30
   ;;
 final)  # the budget's last call: a short second sweep on the big shape, then batch-1 decode with its configs
-  timeout 70 python3 benchmarks/gemv.py --sweep --budget_s 40 --rows 1 --formats bf16,int8 \
+  timeout 50 python3 benchmarks/gemv.py --sweep --budget_s 28 --rows 1 --formats bf16 \
     --shapes 4096x14336 --out "$OUT/gemv2.json" 2>&1 | tee "$OUT/gemv2.log" | grep -v "^sweep"
-  timeout 150 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 3 \
+  timeout 130 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 3 \
     --formats bf16 --gemv on,off --gemv_configs "$OUT/gemv2.json" --compilation_cache_dir "" \
     --out "$OUT/decode_gemv.json" 2>&1 | tee "$OUT/decode_gemv.log" | grep -v Warning
   ;;
