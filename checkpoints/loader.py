@@ -153,10 +153,12 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
-def load_checkpoint(model: str | None = None, progress=None) -> Checkpoint:
+def load_checkpoint(model: str | None = None, progress=None, *, quantized: bool = False) -> Checkpoint:
     """Loads config, canonical params (float32 for GGUF, stored dtype otherwise) and tokenizer from any format.
 
     The params are lazy (see `Checkpoint`); names and shapes are checked here, before any tensor is read.
+    `quantized`: a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights come as QuantizedArray (checkpoints/gguf_quant.py)
+    instead of dequantised; other formats refuse it.
 
     Raises:
       FileNotFoundError: the path does not exist.
@@ -170,8 +172,10 @@ def load_checkpoint(model: str | None = None, progress=None) -> Checkpoint:
             raise ValueError(f"{path}: unsupported model file (expected a .gguf file or a checkpoint directory)")
         from checkpoints.gguf import load_gguf
 
-        config, params, meta = load_gguf(path, progress, lazy=True)
+        config, params, meta = load_gguf(path, progress, lazy=True, quantized=quantized)
         return Checkpoint(config, params, Tokenizer.from_gguf_metadata(meta, config.eos_token_ids), path)
+    if quantized:
+        raise ValueError(f"{path}: keeping a checkpoint's quantised codes (quantization='gguf') needs a .gguf file")
     if os.path.isfile(os.path.join(path, "config.json")) and glob.glob(os.path.join(path, "*.safetensors")):
         from checkpoints.hf import lazy_hf, load_hf_tokenizer
 

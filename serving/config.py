@@ -35,6 +35,9 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "medusa")
 QUANTIZATIONS = ("int8", "fp8", "w8a8_fp8", "w8a8_int8", "int4_awq", "int4_gptq", "int4_rtn")
+# "gguf": no quantisation at load; a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights stay as stored (int8 / int4 group 32)
+KEEP_GGUF = "gguf"
+QUANTIZATION_CHOICES = (*QUANTIZATIONS, KEEP_GGUF)
 # Methods whose weights the Hopper streaming kernel reads faster than XLA (H200): int8 / fp8 W8A16, and int4 (0.7-0.9
 # TB/s of int4 bytes against XLA's dequantise-then-dot 0.27). W8A8 activations are quantised per call: not these.
 STREAM_LAYOUT_METHODS = ("int8", "fp8", "int4_rtn", "int4_awq", "int4_gptq")
@@ -227,7 +230,9 @@ class QuantizationConfig:
     """Weight (and activation) quantisation, done at load (serving/engine/quantize.py).
 
     Attributes:
-        method: None (the checkpoint's dtype, or the checkpoint's own quantised format), or one of QUANTIZATIONS.
+        method: None (the checkpoint's dtype, or the checkpoint's own quantised format), one of QUANTIZATIONS, or
+            "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights kept as they are stored (int8 / int4 group 32,
+            Q4_1's float zero points) instead of dequantised at load (the default SmolLM2 file is Q4_1).
         calibration_file: text whose activations calibrate AWQ / GPTQ / SmoothQuant and the fp8 weights of fp8 /
             w8a8_fp8 (None: a small built-in text); int8 and int4_rtn need none.
         stream_layout: int8 / fp8 / int4_* only (STREAM_LAYOUT_METHODS): also store each quantised weight in the
@@ -243,7 +248,7 @@ class QuantizationConfig:
 
     def __post_init__(self):
         if self.method is not None:
-            _check_choice("quantization", self.method, QUANTIZATIONS)
+            _check_choice("quantization", self.method, QUANTIZATION_CHOICES)
         if self.calibration_file is not None:
             _check(
                 isinstance(self.calibration_file, str) and self.calibration_file,
@@ -251,7 +256,8 @@ class QuantizationConfig:
                 self.calibration_file,
                 "a path to a text file",
             )
-            _check(self.method is not None, "calibration_file", self.calibration_file, "given with quantization")
+            _check(self.method not in (None, KEEP_GGUF), "calibration_file", self.calibration_file,
+                   "given with a quantization method done at load")  # fmt: skip
         if self.stream_layout:
             _check(self.method in STREAM_LAYOUT_METHODS, "quantized_stream_layout", self.stream_layout,
                    f"given with quantization {', '.join(STREAM_LAYOUT_METHODS)}, not {self.method!r}")  # fmt: skip

@@ -19,7 +19,7 @@ from serving.config import (
     FLAT_OPTIONS,
     KV_CACHE_DTYPES,
     POLICIES,
-    QUANTIZATIONS,
+    QUANTIZATION_CHOICES,
     SPECULATIVE_METHODS,
     EngineConfig,
 )
@@ -85,7 +85,12 @@ flags.DEFINE_bool(
     _D.speculative.device_loop,
     "speculation (every method) inside the on-device decode loop",
 )
-flags.DEFINE_enum("quantization", _D.quantization.method, list(QUANTIZATIONS), "weight quantisation, done at load")
+flags.DEFINE_enum(
+    "quantization",
+    _D.quantization.method,
+    list(QUANTIZATION_CHOICES),
+    "weight quantisation, done at load ('gguf': keep the file's codes)",
+)
 flags.DEFINE_string(
     "calibration_file", _D.quantization.calibration_file, "calibration text for awq / gptq / w8a8 (default: built in)"
 )

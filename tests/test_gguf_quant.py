@@ -72,3 +72,41 @@ def test_default_smollm2_q4_1_kept_quantised_matches_dequantised():
     scale = np.abs(logits["f"]).max()
     np.testing.assert_allclose(logits["q"], logits["f"], atol=scale * 2**-8)  # bf16 tolerance (8 mantissa bits)
     assert (logits["q"].argmax(-1) == logits["f"].argmax(-1)).all()
+
+
+def test_llm_option_keeps_the_gguf_codes():
+    """LLM(quantization="gguf") loads the default Q4_1 file with its codes kept (int4 group 32, float zero points: no
+    dequantisation at load) and greedy-decodes the tokens of the dequantised model (float32 on CPU)."""
+    from checkpoints.loader import resolve_model_path
+    from serving.engine.llm import LLM
+
+    try:
+        resolve_model_path("default")
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"default model not available: {e}")
+    opts = dict(
+        dtype="float32", attention_backend="xla", max_num_seqs=2, num_kv_blocks=32, block_size=16, max_model_len=256
+    )
+    kept, plain = LLM(quantization="gguf", **opts), LLM(**opts)
+    w = kept.model.layers[0].mlp.w_down.get_value()
+    assert isinstance(w, QuantizedArray) and w.fmt == "int4" and w.group_size == 32 and w.zeros is not None
+    assert not isinstance(plain.model.layers[0].mlp.w_down.get_value(), QuantizedArray)
+    prompt = "The capital of France is"
+    got, want = (llm.generate([prompt], max_tokens=8, temperature=0.0)[0] for llm in (kept, plain))
+    assert got.token_ids == want.token_ids
+
+
+def test_keep_gguf_option_refused_where_it_cannot_apply(tmp_path):
+    from checkpoints.loader import load_checkpoint
+    from model.config import ModelConfig
+    from model.transformer import model_params, random_model
+    from serving.config import EngineConfig
+    from serving.engine.llm import LLM
+
+    with pytest.raises(ValueError, match="calibration_file"):
+        EngineConfig.from_kwargs(quantization="gguf", calibration_file="calib.txt")
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        load_checkpoint(str(tmp_path), quantized=True)
+    cfg = ModelConfig.preset("tiny")
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        LLM.from_params(cfg, model_params(random_model(cfg, jnp.float32)), quantization="gguf")

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 
 from model.sampling import SamplingTensors
 from pallas_kernels.backend import device_supports
-from serving.config import EngineConfig
+from serving.config import KEEP_GGUF, EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.decode_loop import DecodeLoops, has_penalties
@@ -73,7 +73,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(model.cfg.eos_token_ids)
         self.vocab_size = model.cfg.vocab_size
         self.max_model_len = max_model_len = c.max_model_len or model.cfg.max_position_embeddings
-        if c.quantization.method is not None:  # weights quantised at load (serving/engine/quantize.py)
+        if c.quantization.method not in (None, KEEP_GGUF):  # weights quantised at load (serving/engine/quantize.py)
             quantize_model(model, c.quantization.method, tokenizer, calibration_file=c.quantization.calibration_file)
             if c.quantization.stream_layout:  # a copy decode can only read through a Mosaic GPU kernel
                 if not device_supports("mosaic_gpu"):

@@ -31,7 +31,7 @@ from checkpoints.tokenizer import IncrementalDetokenizer, NullTokenizer
 from model.config import ModelConfig
 from model.kv import NoCache
 from model.transformer import Transformer, build_model, model_params
-from serving.config import EngineConfig
+from serving.config import KEEP_GGUF, EngineConfig
 from serving.core.request import CompletionOutput, SamplingParams
 from serving.engine import scoring, weights
 from serving.engine.data_parallel import make_engine
@@ -142,7 +142,7 @@ class LLM:
     def _load(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         enable_compilation_cache(config.compilation_cache_dir)
-        ckpt: Checkpoint = load_checkpoint(config.model.model)
+        ckpt: Checkpoint = load_checkpoint(config.model.model, quantized=config.quantization.method == KEEP_GGUF)
         if ckpt.tokenizer is None:
             raise ValueError(f"{ckpt.source}: checkpoint has no tokenizer")
         model = build_model(ckpt.config, ckpt.params, parse_dtype(config.dtype))
@@ -321,7 +321,11 @@ def _engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
     if "model" in options:
         raise ValueError("model: the weights are given here; the `model` option names a checkpoint path")
     config = config or EngineConfig()
-    return config.replace(**options) if options else config
+    config = config.replace(**options) if options else config
+    if config.quantization.method == KEEP_GGUF:
+        raise ValueError("quantization='gguf' keeps a GGUF file's codes as LLM(model=path) loads it; here the weights "
+                         "are given (pass QuantizedArray weights, e.g. checkpoints.gguf.load_gguf(path, quantized=True))")  # fmt: skip
+    return config
 
 
 class ForeignTokenizer:
