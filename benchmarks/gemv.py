@@ -22,7 +22,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks import quantized_matmul as qb  # noqa: E402
 from pallas_kernels import gemv as G  # noqa: E402
@@ -113,21 +112,7 @@ def torch_bf16(k, n, m):
     copies = max(2, min(48, math.ceil(qb.COPY_BYTES / per)))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ws = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    for w in ws:
-        x @ w
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            for w in ws:
-                x @ w
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / (3 * copies))
-    del ws
-    return float(np.median(samples))
+    return qb.torch_stream_seconds(lambda w: x @ w, ws)
 
 
 def main(argv=None):

@@ -184,6 +184,26 @@ def sweep_case(fmt_name, k, n, m, deadline, candidates):
     return best[0], best[1], [(dataclasses.asdict(c), s) for c, s in tried], nbytes(weights[0])
 
 
+def torch_stream_seconds(call, ws) -> float:
+    """Seconds per call(w) over the weight copies `ws`, with CUDA events: median of 5 x 3 passes (torch)."""
+    import torch
+
+    for w in ws:
+        call(w)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            for w in ws:
+                call(w)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / (3 * len(ws)))
+    return float(np.median(samples))
+
+
 def torch_rows(rows):
     """cuBLAS bf16 and cuBLASLt fp8 (_scaled_mm) through torch, same streaming rule."""
     try:
@@ -206,20 +226,7 @@ def torch_rows(rows):
                     xf = x.to(torch.float8_e4m3fn)
                     ws = [torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t() for _ in range(copies)]
                     call = lambda w, a=xf, s=one: torch._scaled_mm(a, w, scale_a=s, scale_b=s, out_dtype=torch.bfloat16)  # noqa: E731
-                for w in ws:
-                    call(w)
-                torch.cuda.synchronize()
-                samples = []
-                for _ in range(5):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(3):
-                        for w in ws:
-                            call(w)
-                    end.record()
-                    torch.cuda.synchronize()
-                    samples.append(start.elapsed_time(end) / 1e3 / (3 * copies))
-                sec = float(np.median(samples))
+                sec = torch_stream_seconds(call, ws)
                 rows.append(dict(impl=name, k=k, n=n, m=m, seconds=sec, bytes=per, tb_s=per / sec / 1e12))
                 del ws
 

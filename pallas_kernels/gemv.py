@@ -1,13 +1,13 @@
 """Weight-streaming GEMV for decode's smallest batches (M <= 4): every weight byte read once, turned into an exact
-float32 in registers with integer bit tricks, and multiplied on the FMA units.
+float32 in registers (integer bit tricks or the hardware cast), and multiplied on the FMA units.
 
     x [M, K] (bf16 / f16 / f32)  @  w [K, N] (bf16 | int8 | fp8 e4m3 | packed int4)  ->  [M, N] in x's dtype
 
 Why a second streaming kernel beside quantized_matmul.py: at M = 1 that kernel's tensor-core dot pads x to 16 rows
-and moves every weight tile into the MMA operand layout, and its 8-bit and 4-bit paths convert each code with the
-I2F/F2F units (16 conversions per clock per SM on Hopper: int8 -> f32 -> bf16 is two of them a weight, which is what
-held int8 and int4 under their byte rate on the H200, BENCHMARKS.md). Here a weight costs one FMA per row of x,
-and its conversion costs one or two integer ops (full rate) plus at most one float add:
+and moves every weight tile into the MMA operand layout, and its 8-bit and 4-bit paths convert each code twice on
+the I2F/F2F units (int8 -> f32 -> bf16). Here a weight costs one FMA per row of x, and its conversion one or two
+integer ops plus at most one float add (`bit_convert`; measured on an H100 against plain casts: int8 +11%, bf16
++-0, fp8 -13%, so fp8's tuned config keeps the hardware cast; BENCHMARKS.md "GEMV"):
 
     bf16   f32 bits = bf16 bits << 16
     int8   f32(u8(b) ^ 0x4B000080) - (2^23 + 128)             (0x4B000000 is 2^23: the byte lands in the mantissa)
@@ -20,8 +20,9 @@ and its conversion costs one or two integer ops (full rate) plus at most one flo
 
 Data flow, grid = (N tiles, K chunks):
 
-    program (j, c) issues the loads of its `steps` weight tiles [bk, bn] first (a static unroll: steps * bk * bn
-    bytes in flight per program, the memory-level parallelism a pure stream needs), then for each tile i:
+    program (j, c) walks its `steps` weight tiles [bk, bn]: depth 0 issues every tile's loads first (a static
+    unroll: steps * bk * bn bytes in flight, then none while it multiplies); depth d > 0 loops and keeps d tiles in
+    flight while it multiplies (a register ring). For each tile i:
         per-channel formats:  acc_r[bk, bn] += x[r, k_i : k_i + bk, None] * w_i
         grouped formats:      acc_r[bk, bn] += (x_r * w_i) * scale[group_i, None]     (a tile inside one group)
                               int4: corr_r[1, bn] += scale[group_i] * zero[group_i] * sum(x_r over tile i)
@@ -48,7 +49,7 @@ from pallas_kernels.backend import out_struct, resolve_backend
 
 FORMATS = ("bf16", "int8", "fp8", "int4")
 KERNEL_NAME = "gemv"
-MAX_ROWS = 4  # accumulators are [bk, bn] per row of x: past a few rows the tensor-core kernels win
+MAX_ROWS = 4  # accumulators are [bk, bn] f32 per row of x: registers bound the rows
 MAGIC = 0x4B000000  # float32 2^23
 FP8_OUT_SCALE = 2.0**8  # fp8 codes are converted as w * 2^-8
 
