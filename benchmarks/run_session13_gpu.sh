@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Session 13's H200 calls (issue 13 / 17: the GEMV decode kernel). One argument picks the call:
-#   gemv    GPU tests of pallas_kernels/gemv.py, then benchmarks/gemv.py (config sweep at M = 1, then the table)
-#   decode  Llama-3-8B shape, random weights, batch-1 decode per weight format with the GEMV on and off (same run)
-# The default model arrives in two halves (benchmarks/gpu_model_setup.sh): the gemv call carries .gpu_carry/a and
-# parks it, the engine call carries .gpu_carry/b on the same warm machine.
-#   engine  the engine GPU tests (session 12 leftover; the GEMV now runs one-row decode) and the kernels
+# Session 13's device calls (issues 13 / 17: the GEMV decode kernel). One argument picks the call:
+#   gemv    GPU tests of pallas_kernels/gemv.py, then benchmarks/gemv.py (config sweep at M = 1, then the table)  [ran, H100]
+#   engine  the engine GPU tests (session 12's leftover; the GEMV now serves one-row decode) and the tensor-core
+#           streaming kernel's tests with bit_convert                                                        [ran, H100]
+#   gemv2   the sweep of the loop mode (GemvConfig.depth) and small unrolled programs, every format; best configs
+#           kept in /tmp for `decode`                                                                  [not run: no machine]
+#   decode  Llama-3-8B shape, random weights, batch-1 decode per weight format, the GEMV on and off in one run
+#   final   the short form of gemv2 + decode that fit session 13's last budget                        [not run: no machine]
+# Next session, on an H200: gemv2 then decode on the same warm machine (~10 + ~10 min).
+# The default model arrives in two halves (benchmarks/gpu_model_setup.sh): a call carrying .gpu_carry/a parks it,
+# `engine` carries .gpu_carry/b on the same warm machine.
 set -o pipefail
 source benchmarks/gpu_model_setup.sh
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
