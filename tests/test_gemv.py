@@ -183,3 +183,28 @@ def test_model_door_takes_the_gemv_for_one_row(case, monkeypatch):
     assert calls == [fmt, fmt]
     quant.matmul(jnp.concatenate([x, x], axis=1), w)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("method", ["int8", "int4_rtn"])
+def test_engine_decodes_one_row_steps_through_the_gemv(method, monkeypatch):
+    """A whole engine (tiny model, float32, weights quantised at load) with the GEMV serving its one-row decode steps
+    (the interpreter here) greedy-decodes the tokens of the same engine without it."""
+    from model import quant
+    from model.config import ModelConfig
+    from model.transformer import random_model
+    from serving.engine.llm import LLM
+
+    cfg = ModelConfig.tiny()
+    opts = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=32, num_kv_blocks=16, warmup=False)
+
+    def tokens():
+        llm = LLM.from_model(random_model(cfg, jnp.float32, seed=3), None, quantization=method, **opts)
+        return llm.generate([[5, 17, 29, 41, 3, 8]], max_tokens=6, temperature=0.0, ignore_eos=True)[0].token_ids
+
+    want = tokens()
+    calls = []
+    real = G.gemv
+    monkeypatch.setattr(G, "gemv", lambda *a, **kw: calls.append(kw["fmt"]) or real(*a, **kw))
+    monkeypatch.setattr(quant, "GEMV_BACKEND", "interpret")
+    assert tokens() == want
+    assert calls and set(calls) == {method[:4]}  # traced once per projection and one-row step shape
