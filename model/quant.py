@@ -191,8 +191,9 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
 
 
 # The GEMV (pallas_kernels/gemv.py): decode's smallest batches, every [K, N] format read as stored (no second copy),
-# the codes converted on the FMA units. The largest row count it takes per format, where it beat the other paths
-# on the H200 (BENCHMARKS.md, "GEMV"); 0 = never.
+# the codes converted on the FMA units. The largest row count it takes per format; 0 = never. One row everywhere: on
+# an H100 it beat every other JAX path in 24 of 25 one-row cases (int4 4-7x XLA; BENCHMARKS.md "GEMV", session 13);
+# not yet measured on the H200 nor inside whole decode steps.
 GEMV_MAX_ROWS = {"bf16": 1, "int8": 1, "fp8": 1, "int4": 1}
 # Tile configs per format as GemvConfig fields (block_n, block_k, steps, num_warps, bit_convert; "int8_g" is grouped
 # int8): the fastest of 12 on 4096x14336 at M = 1 in session 13's H100 sweep (benchmarks/results/
