@@ -321,7 +321,7 @@ def test_llm_construction_enables_the_compilation_cache(tiny_llm, monkeypatch, t
     monkeypatch.setattr(jax.config, "update", lambda key, value: calls.__setitem__(key, value))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a CPU host keeps no compiled code on disk
 
-    def no_checkpoint(model):
+    def no_checkpoint(model, **kwargs):
         raise FileNotFoundError("not loaded in this test")
 
     monkeypatch.setattr(llm_module, "load_checkpoint", no_checkpoint)
