@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import quant
 from model.config import ModelConfig
 from model.sampling import SamplingTensors
 from model.transformer import random_model
@@ -83,7 +84,7 @@ def bench(
     pool_blocks = size_kv_pool(model, block_size, kv_dtype, 0.9, 1 << 30)
     concurrency = pool_blocks // blocks_8k
     print(
-        f"{preset} {fmt} kv={kv_cache_dtype} gemv_max_rows={quant_gemv_rows()}: weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
+        f"{preset} {fmt} kv={kv_cache_dtype} gemv_max_rows={quant.GEMV_MAX_ROWS}: weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
         f"({kv_bytes_per_block(model, block_size, kv_dtype) / 2**20:.2f} MiB each) = {concurrency} sequences of "
         f"{concurrency_context} tokens; init+quantise {init_s:.1f}s",
         flush=True,
@@ -169,12 +170,6 @@ def bench(
     return results
 
 
-def quant_gemv_rows() -> dict:
-    from model import quant
-
-    return quant.GEMV_MAX_ROWS
-
-
 def nnx_state(model):
     from flax import nnx
 
@@ -232,9 +227,9 @@ def main():
         kv.PagedMeta.attend = attend_without_kernel
     batches = [int(x) for x in a.batches.split(",") if x]
     runs = []
-    from model import quant
-
     gemv_default = dict(quant.GEMV_MAX_ROWS)
+    if set(a.gemv.split(",")) - {"on", "off"}:
+        raise SystemExit(f"--gemv takes a comma list of on / off, got {a.gemv!r}")
     if a.gemv_configs:
         with open(a.gemv_configs) as f:
             quant.GEMV_CONFIGS.update(json.load(f)["best"])

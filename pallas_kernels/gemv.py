@@ -141,16 +141,10 @@ def _load(ref, r0, height, c0, width, masked: bool):
     return pltriton.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
 
 
-def _load_row(ref, r, c0, width, masked: bool):
-    """ref[r, c0 : c0 + width] of a 2-D ref (r clamped into bounds) or ref[c0 : c0 + width] of a 1-D one (r None),
-    zero past N when `masked`."""
-    if r is not None:
-        r = jnp.minimum(r, ref.shape[0] - 1)
-    if not masked:
-        return ref[pl.ds(c0, width)] if r is None else ref[r, pl.ds(c0, width)]
-    cols = c0 + jnp.arange(width)
-    view = ref.at[cols] if r is None else ref.at[r, cols]
-    return pltriton.load(view, mask=cols < ref.shape[-1], other=0)
+def _load_row(ref, r, c0, width):
+    """quantized_matmul's row loader (zero past N), the row clamped into bounds: a last chunk's padded tiles read
+    the last group's scales, which meet zero columns of x."""
+    return quantized_matmul._load_row(ref, None if r is None else jnp.minimum(r, ref.shape[0] - 1), c0, width)
 
 
 def _gemv_kernel(
@@ -186,8 +180,8 @@ def _gemv_kernel(
             xr = [(x_ref[r, 0, pl.ds(r0, bk)], x_ref[r, 1, pl.ds(r0, bk)], xs_ref[r, r0 // bk]) for r in range(rows)]
         else:
             xr = [x_ref[r, pl.ds(r0, bk)] for r in range(rows)]  # [bk] per row
-        scale = _load_row(s_ref, group, n0, bn, masked_n) if grouped else None  # [bn]
-        zero = _load_row(z_ref, group, n0, bn, masked_n) if z_ref is not None else None
+        scale = _load_row(s_ref, group, n0, bn) if grouped else None  # [bn]
+        zero = _load_row(z_ref, group, n0, bn) if z_ref is not None else None
         return tile, xr, scale, zero
 
     def step(fetched, carry):
@@ -230,7 +224,7 @@ def _gemv_kernel(
         if fmt == "fp8" and bit_convert:
             out = out * FP8_OUT_SCALE
         if s_ref is not None and not grouped:
-            out = out * _load_row(s_ref, None, n0, bn, masked_n)
+            out = out * _load_row(s_ref, None, n0, bn)
         lead = (r,) if len(o_ref.shape) == 2 else (chunk, r)  # o_ref [M, N] or [C, M, N]
         out = out.astype(o_ref.dtype)
         if masked_n:
@@ -309,7 +303,7 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, ou
     rows, k = x2.shape
     n = values.shape[-1]
     p = plan(values.shape[0], n, fmt, group_size, config)
-    xf = x2.astype(jnp.float32)
+    xf, xs = x2.astype(jnp.float32), None
     if fmt == "int4":
         pad = p.k_pad - values.shape[0]
         tiles = k // (2 * p.bk)  # the sums of x over each tile's 2 bk columns, 0 for the padded tiles
@@ -326,7 +320,7 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, ou
         if not grouped:
             scales = jnp.broadcast_to(scales, (n,))
     zeros = None if zeros is None else zeros.astype(jnp.float32)
-    inputs = (xf, xs if fmt == "int4" else None, values, scales, zeros)
+    inputs = (xf, xs, values, scales, zeros)
     kw = dict(fmt=fmt, group_size=group_size, grouped=grouped, config=config, interpret=interpret)
     out = _build_call(p, rows, out_dtype, inputs, **kw)
     if p.chunks > 1:
