@@ -331,7 +331,7 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret):
     xp = jnp.pad(x2, ((0, p.mp - m), (0, p.num_steps * p.bk - k)))  # [Mp, Kp]
     if fmt == "int4":
         xs = None
-        if config.bit_convert and x2.dtype == jnp.bfloat16:  # group sums of the bf16 x the dots see
+        if config.bit_convert:  # group sums of the bf16 x the dots see
             xs = xp[:, :k].astype(jnp.float32).reshape(p.mp, k // group_size, group_size).sum(axis=-1)
         inputs = (xs, xp[:, 0::2], xp[:, 1::2], values, scales.astype(jnp.float32), zeros)
         inputs = inputs[:5] + (None if zeros is None else zeros.astype(jnp.float32),)
@@ -421,6 +421,8 @@ def quantized_matmul(
         return _reference(x, values, scales, zeros, fmt=fmt, group_size=group_size)
     if x.dtype == jnp.float32:
         raise ValueError("quantized_matmul: the kernel takes bfloat16 / float16 x; float32 x needs backend='xla'")
+    if config.bit_convert and fmt == "int4" and x.dtype != jnp.bfloat16:
+        raise ValueError("quantized_matmul: bit_convert builds int4 codes as bfloat16: x must be bfloat16")
     return _kernel_jit(
         x, values, scales, zeros, fmt=fmt, group_size=group_size, config=config, interpret=resolved == "interpret"
     )

@@ -149,6 +149,18 @@ def test_bad_inputs_raise():
         qmm.quantized_matmul(x96, jnp.ones((48, 16), jnp.uint8), jnp.ones((1, 16)), fmt="int4", group_size=64)
     with pytest.raises(ValueError, match="unknown fmt"):
         qmm.quantized_matmul(x, w8, fmt="int2", backend="interpret")
+    with pytest.raises(ValueError, match="bit_convert builds int4 codes as bfloat16"):
+        config = qmm.QuantizedMatmulConfig(bit_convert=True)
+        x16 = jnp.ones((2, 64), jnp.float16)
+        qmm.quantized_matmul(
+            x16,
+            jnp.ones((32, 16), jnp.uint8),
+            jnp.ones((2, 16)),
+            fmt="int4",
+            group_size=32,
+            config=config,
+            backend="interpret",
+        )
     with pytest.raises(ValueError, match="float32 x needs backend='xla'"):
         qmm.quantized_matmul(x.astype(jnp.float32), w8, jnp.ones(16), fmt="int8", backend="interpret")
 
