@@ -62,6 +62,7 @@ def bench(
     kv_cache_dtype: str = "auto",
     concurrency_context: int = 8192,
     stream_layout: bool = False,
+    trace_dir: str = "",
 ) -> dict:
     from serving.engine.quantize import kv_cache_dtype as kv_dtype_of
     from serving.engine.quantize import quantize_model
@@ -138,6 +139,11 @@ def bench(
             runner.decode_loop(rows, steps, st, banned)
             times.append(time.perf_counter() - t0)
         loop_s = float(np.median(times))
+        profile = (
+            trace_loop(runner, rows, steps, st, banned, cfg, f"{trace_dir}/{fmt}_{kv_cache_dtype}_b{b}")
+            if trace_dir
+            else {}
+        )
         # One host round trip per token (the engine's fallback path).
         runner.forward(rows)
         single = []
@@ -157,7 +163,7 @@ def bench(
             "ms_per_step_single": 1e3 * single_s,
             "tokens_per_s_single": b / single_s,
             "weight_TBps_loop": weight_bytes / (loop_s / steps) / 1e12,
-        }
+        } | ({"profile": profile} if profile else {})
         results["rows"].append(row)
         print(
             f"{preset} {fmt} kv={kv_cache_dtype} B={b:3d} ctx={ctx}: loop {row['ms_per_step_loop']:.2f} ms/step "
@@ -168,6 +174,26 @@ def bench(
             flush=True,
         )
     return results
+
+
+def trace_loop(runner, rows, steps, st, banned, cfg, trace_dir: str) -> dict:
+    """One more decode_loop call under the JAX profiler: ms per step per kernel category (perf17's step_profile:
+    attention, matmul incl. our GEMV, elementwise fusions, copies, host gap) and the top kernels, printed."""
+    from benchmarks.engine_core import device_spans
+    from benchmarks.perf17 import step_profile
+
+    jax.profiler.start_trace(trace_dir)
+    jax.block_until_ready(runner.decode_loop(rows, steps, st, banned))
+    jax.profiler.stop_trace()
+    prof = step_profile(*device_spans(trace_dir), cfg.num_layers, steps, top=12)
+    if not prof.get("per_step_ms"):
+        print(f"  profile: no device kernels in {prof['trace']} (a CPU run)")
+        return prof
+    cats = "  ".join(f"{c} {v:.3f}" for c, v in prof["per_step_ms"].items())
+    print(f"  profile: {prof['step_ms']:.3f} ms/step over {prof['steps']} steps ({prof['steps_from']}): {cats}")
+    for k in prof["top_kernels"]:
+        print(f"    {k['ms_per_step']:.4f} ms/step x{k['launches_per_step']:g}  {k['category']:11s} {k['name'][:90]}")
+    return prof
 
 
 def nnx_state(model):
@@ -209,6 +235,7 @@ def main():
         action="store_true",
         help="profiling aid: skip the attention kernels (KV still written) to isolate their cost",
     )
+    p.add_argument("--trace_dir", default="", help="also trace one loop call per batch: per-step kernel breakdown")
     p.add_argument("--out", default="decode_llama.json")
     p.add_argument("--compilation_cache_dir", default=DEFAULT_COMPILATION_CACHE_DIR, help="'' disables it")
     a = p.parse_args()
@@ -238,6 +265,7 @@ def main():
         quant.GEMV_MAX_ROWS = gemv_default if gemv == "on" else {}
         args = (a.preset, batches, a.ctx, a.steps, a.block_size, a.backend, a.repeats)
         kw = dict(fmt=fmt, kv_cache_dtype=kv, concurrency_context=a.concurrency_context, stream_layout=a.stream_layout)
+        kw["trace_dir"] = a.trace_dir and f"{a.trace_dir}/gemv_{gemv}"
         runs.append(bench(*args, **kw) | {"gemv": gemv})
         with open(a.out, "w") as f:  # rewritten after each run: a run cut short keeps what it finished
             json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=2)

@@ -30,23 +30,25 @@ from pallas_kernels import quantized_matmul as qmm  # noqa: E402
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 14336), (4096, 1024))
 FORMATS = dict(qb.FORMATS, int8_g32=("int8", 32, False, False))  # + GGUF Q8_0's grouped int8
 C = G.GemvConfig
-CANDIDATES = (  # (block_n, block_k, steps, num_warps, depth); a grouped format's tile stays inside one group
-    # session 13's first H100 sweep: the unrolled kernel (depth 0) peaked at ~64% of the copy rate whatever the tile;
-    # first the loops that keep `depth` tiles in flight, then small unrolled programs (more of them resident)
-    C(128, 32, 32, 4, depth=2),
-    C(128, 16, 32, 4, depth=4),
-    C(256, 16, 16, 8, depth=2),
-    C(128, 64, 16, 4, depth=1),
-    C(64, 64, 16, 4, depth=2),
-    C(128, 32, 64, 4, depth=3),
-    C(128, 32, 16, 4, depth=2),
-    C(256, 32, 16, 8, depth=2),
-    C(64, 32, 32, 2, depth=3),
+CANDIDATES = (  # (block_n, block_k, steps, num_warps, depth / atomic); a grouped format's tile stays inside one group
+    # session 14's H100 sweep: the loops (depth > 0) lost to the unrolled programs in every format, so two stay;
+    # the K chunks' partials now also meet by atomic adds (no XLA sum after the call), which favours fewer, longer
+    # programs as well
     C(128, 64, 4, 4),
     C(128, 8, 16, 4),
     C(128, 16, 4, 4),
+    C(128, 32, 8, 4, bit_convert=False),
     C(256, 8, 4, 4),
     C(64, 32, 4, 2),
+    C(128, 64, 4, 4, atomic=True),
+    C(128, 8, 16, 4, atomic=True),
+    C(128, 16, 4, 4, atomic=True),
+    C(128, 16, 8, 4, atomic=True),
+    C(128, 32, 8, 4, bit_convert=False, atomic=True),
+    C(128, 64, 8, 4, atomic=True),
+    C(64, 64, 8, 4, atomic=True),
+    C(128, 32, 32, 4, depth=2),
+    C(128, 64, 16, 4, depth=1),
 )
 
 

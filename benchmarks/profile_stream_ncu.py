@@ -56,6 +56,29 @@ def launch(fmt: str, config: str) -> None:
     print(f"launched: {fmt} {cfg}", flush=True)
 
 
+def launch_gemv(fmt: str, config: str) -> None:
+    """pallas_kernels/gemv.py at M = 1 on a [4096, 14336] weight of benchmarks/gemv.py's format (bf16, int8, fp8,
+    int4_g128, int4_g32_asym, int8_g32), with model.quant's tuned config for it (fields overridden by --config)."""
+    import dataclasses  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from benchmarks import gemv as gb  # noqa: PLC0415
+    from model import quant  # noqa: PLC0415
+    from pallas_kernels import gemv as G  # noqa: PLC0415
+
+    base, group, _, _ = gb.FORMATS[fmt]
+    key = "int8_g" if fmt == "int8_g32" else base
+    cfg = dataclasses.replace(G.GemvConfig(**quant.GEMV_CONFIGS[key]), **eval(f"dict({config})"))  # noqa: S307
+    weights = gb.weights_for(fmt, K, N)[0]
+    x = jax.random.normal(jax.random.key(1), (1, K), jnp.bfloat16)
+    fn = jax.jit(lambda x, w: G.gemv(x, *w, fmt=base, group_size=group, config=cfg, backend="triton"))
+    jax.block_until_ready(fn(x, weights))  # compile + first run
+    jax.block_until_ready(fn(x, weights))
+    print(f"launched: gemv {fmt} {cfg}", flush=True)
+
+
 def summarise(path: str) -> None:
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r and not r[0].startswith("==")]
@@ -79,12 +102,15 @@ def summarise(path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--fmt", choices=("int8", "fp8", "bf16"), default="int8")
+    p.add_argument("--fmt", default="int8", help="int8 / fp8 / bf16; --gemv also int4_g128, int4_g32_asym, int8_g32")
+    p.add_argument("--gemv", action="store_true", help="profile pallas_kernels/gemv.py instead of the Mosaic kernel")
     p.add_argument("--config", default="", help="StreamConfig fields, e.g. upcast_load=True,overlap=True")
     p.add_argument("--summarise", default="", help="an ncu --page raw --csv file: print the key metrics")
     a = p.parse_args()
     if a.summarise:
         summarise(a.summarise)
+    elif a.gemv:
+        launch_gemv(a.fmt, a.config)
     else:
         launch(a.fmt, a.config)
     return 0

@@ -16,7 +16,7 @@ integer ops plus at most one float add (`bit_convert`; measured on an H100 again
     int4   lo: f32((b & 0x0F) | 0x4B000000) - 2^23             = code
            hi: f32((b & 0xF0) | 0x4B000000) - 2^23             = 16 code; x's odd columns are pre-scaled by 1/16
            the zero point z (any float: GGUF Q4_1's are) leaves the inner loop: sum_k x_k (code_k - z) s =
-           s (sum_k x_k code_k) - s z (sum_k x_k), with the group sums of x computed once outside
+           s (sum_k x_k code_k) - s z (sum_k x_k), with each tile's sum of x taken as its x is loaded
 
 Data flow, grid = (N tiles, K chunks):
 
@@ -27,7 +27,9 @@ Data flow, grid = (N tiles, K chunks):
         grouped formats:      acc_r[bk, bn] += (x_r * w_i) * scale[group_i, None]     (a tile inside one group)
                               int4: corr_r[1, bn] += scale[group_i] * zero[group_i] * sum(x_r over tile i)
     and ends with one cross-thread reduction: out[c, r, n tile] = sum(acc_r, axis 0) - corr_r (* per-channel scale)
-    f32 partials [C, M, N] are summed (and cast) by XLA; C = 1 stores x's dtype directly.
+    f32 partials [C, M, N] are summed (and cast) by XLA, or meet by atomic adds in a zeroed f32 [M, N]
+    (`atomic`); C = 1 stores the output dtype directly. x enters as given (flat [M * K]): its conversion to f32,
+    int4's even / odd split and the tile sums happen in the kernel, so no XLA pass over x precedes the call.
 
 Weight layouts are those of model/quant.py ([K, N]; int4 [K/2, N] with row 2i in the low nibble); this module takes
 raw arrays. On CPU the same pallas_call runs in the Pallas interpreter (tests); "xla" is the reference.
@@ -66,6 +68,8 @@ class GemvConfig:
         bit_convert: the integer bit-trick conversions above (False: plain dtype casts, for comparison).
         depth: 0 unrolls the `steps` tiles with every load issued first; d > 0 runs them in a loop that keeps d tiles
             in flight (a register ring), so a program streams continuously over many tiles.
+        atomic: the K chunks' partial sums meet by f32 atomic adds in a zeroed output, not as [C, M, N] partials
+            that XLA sums after the call (one kernel fewer; the order of the adds, hence the last bits, may vary).
     """
 
     block_n: int = 128
@@ -74,6 +78,7 @@ class GemvConfig:
     num_warps: int = 4
     bit_convert: bool = True
     depth: int = 0
+    atomic: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -147,16 +152,24 @@ def _load_row(ref, r, c0, width):
     return quantized_matmul._load_row(ref, None if r is None else jnp.minimum(r, ref.shape[0] - 1), c0, width)
 
 
+def _load_x(x_ref, r, cols, k, masked: bool):
+    """x[r, cols] of the flat [M * K] x as float32, zero past K when `masked` (cols: a contiguous or strided
+    [bk] index vector)."""
+    if masked:
+        return pltriton.load(x_ref.at[r * k + cols], mask=cols < k, other=0).astype(jnp.float32)
+    return pltriton.load(x_ref.at[r * k + cols]).astype(jnp.float32)
+
+
 def _gemv_kernel(
-    x_ref,  # [M, Kp] f32 x; int4: [M, 2, Kp/2] even columns, odd columns / 16
-    xs_ref,  # int4 only: [M, tiles] f32 sums of x over each tile's K columns (0 past K)
+    x_ref,  # [M * K] x as given (bf16 / f16 / f32), flat: every conversion and split happens here
     w_ref,  # [K, N] bf16 / int8 / uint8 (fp8 bits); int4: [K/2, N] uint8
     s_ref,  # [N] f32 per-channel scale; grouped: [K/g, N]; None for bf16
     z_ref,  # int4 only: [K/g, N] f32 zero points, or None (symmetric: 8)
-    o_ref,  # [C, M, N] f32 partials, or [M, N] in x's dtype when C == 1
+    o_ref,  # [C, M, N] f32 partials; [M, N padded] f32 summed atomically (`atomic`); [M, N] out dtype when C == 1
     *,
     fmt: str,
     rows: int,
+    k: int,
     bk: int,
     bn: int,
     steps: int,
@@ -166,6 +179,7 @@ def _gemv_kernel(
     masked_k: bool,
     masked_n: bool,
     bit_convert: bool,
+    atomic: bool,
 ):
     n0 = pl.program_id(0) * bn
     chunk = pl.program_id(1)
@@ -176,10 +190,14 @@ def _gemv_kernel(
         r0 = k0 + i * bk
         group = r0 // per_group  # grouped formats: a tile lies inside one group
         tile = _load(w_ref, r0, bk, n0, bn, masked_k or masked_n)  # [bk, bn]
-        if fmt == "int4":
-            xr = [(x_ref[r, 0, pl.ds(r0, bk)], x_ref[r, 1, pl.ds(r0, bk)], xs_ref[r, r0 // bk]) for r in range(rows)]
+        if fmt == "int4":  # stored row i holds x columns 2i (low nibble) and 2i + 1 (high, pre-scaled by 1/16)
+            even = 2 * (r0 + jnp.arange(bk))
+            xr = []
+            for r in range(rows):
+                xe, xo = _load_x(x_ref, r, even, k, masked_k), _load_x(x_ref, r, even + 1, k, masked_k)
+                xr.append((xe, xo * (1.0 / 16.0), jnp.sum(xe) + jnp.sum(xo)))
         else:
-            xr = [x_ref[r, pl.ds(r0, bk)] for r in range(rows)]  # [bk] per row
+            xr = [_load_x(x_ref, r, r0 + jnp.arange(bk), k, masked_k) for r in range(rows)]  # [bk] per row
         scale = _load_row(s_ref, group, n0, bn) if grouped else None  # [bn]
         zero = _load_row(z_ref, group, n0, bn) if z_ref is not None else None
         return tile, xr, scale, zero
@@ -225,6 +243,9 @@ def _gemv_kernel(
             out = out * FP8_OUT_SCALE
         if s_ref is not None and not grouped:
             out = out * _load_row(s_ref, None, n0, bn)
+        if atomic:  # the chunks' partials meet in a zeroed f32 [M, N padded to bn]: no mask (the interpreter has none)
+            pltriton.atomic_add(o_ref, (jnp.int32(r), pl.ds(n0, bn)), out)
+            continue
         lead = (r,) if len(o_ref.shape) == 2 else (chunk, r)  # o_ref [M, N] or [C, M, N]
         out = out.astype(o_ref.dtype)
         if masked_n:
@@ -268,16 +289,20 @@ def plan(k_rows: int, n: int, fmt: str, group_size: int, config: GemvConfig) -> 
     return _Plan(bk, bn, steps, -(-tiles // steps), k_rows, n)
 
 
-def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, group_size, grouped, config, interpret):
-    x, xs, w, s, z = inputs
+def _build_call(p: _Plan, rows: int, k: int, out_dtype, inputs, *, fmt, group_size, grouped, config, interpret):
+    x, w, s, z = inputs
+    operands = [a for a in inputs if a is not None]
+    atomic = config.atomic and p.chunks > 1
     if p.chunks == 1:
-        out_shape = out_struct((rows, p.n), out_dtype, [a for a in inputs if a is not None])
+        out_shape = out_struct((rows, p.n), out_dtype, operands)
     else:
-        out_shape = out_struct((p.chunks, rows, p.n), jnp.float32, [a for a in inputs if a is not None])
+        n_out = -(-p.n // p.bn) * p.bn if atomic else p.n
+        out_shape = out_struct(((rows,) if atomic else (p.chunks, rows)) + (n_out,), jnp.float32, operands)
     kernel = functools.partial(
         _gemv_kernel,
         fmt=fmt,
         rows=rows,
+        k=k,
         bk=p.bk,
         bn=p.bn,
         steps=p.steps,
@@ -287,31 +312,38 @@ def _build_call(p: _Plan, rows: int, out_dtype, inputs, *, fmt, group_size, grou
         masked_k=p.k_pad != p.k_rows,
         masked_n=p.n % p.bn != 0,
         bit_convert=config.bit_convert,
+        atomic=atomic,
     )
+    args, aliases = (x, w, s, z), {}
+    if atomic:  # the output starts as zeros: an aliased fifth operand the kernel writes through
+        kernel = _with_output_alias(kernel)
+        args, aliases = (*args, jnp.zeros(out_shape.shape, jnp.float32)), {len(operands): 0}  # flat index
     return pl.pallas_call(
         kernel,
         grid=(-(-p.n // p.bn), p.chunks),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
-        name=f"gemv_{fmt}_m{rows}_n{p.bn}_k{p.bk}x{p.steps}_d{config.depth}_c{p.chunks}",
-    )(x, xs, w, s, z)
+        name=f"gemv_{fmt}_m{rows}_n{p.bn}_k{p.bk}x{p.steps}_d{config.depth}_c{p.chunks}{'_atomic' if atomic else ''}",
+    )(*args)
+
+
+def _with_output_alias(kernel):
+    """The kernel with the aliased zeros' input ref dropped (its output ref is the same buffer)."""
+
+    def aliased(x_ref, w_ref, s_ref, z_ref, zeros_ref, o_ref):
+        del zeros_ref
+        kernel(x_ref, w_ref, s_ref, z_ref, o_ref)
+
+    return aliased
 
 
 def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, out_dtype):
-    """x2 [M, K] -> [M, N] in out_dtype through the kernel."""
+    """x2 [M, K] -> [M, N] in out_dtype through the kernel (x goes in as given, flat: no pass over it here)."""
     rows, k = x2.shape
     n = values.shape[-1]
     p = plan(values.shape[0], n, fmt, group_size, config)
-    xf, xs = x2.astype(jnp.float32), None
-    if fmt == "int4":
-        pad = p.k_pad - values.shape[0]
-        tiles = k // (2 * p.bk)  # the sums of x over each tile's 2 bk columns, 0 for the padded tiles
-        xs = jnp.pad(xf.reshape(rows, tiles, 2 * p.bk).sum(axis=-1), ((0, 0), (0, p.k_pad // p.bk - tiles)))
-        xf = jnp.stack([xf[:, 0::2], xf[:, 1::2] * (1.0 / 16.0)], axis=1)  # [M, 2, K/2]
-        xf = jnp.pad(xf, ((0, 0), (0, 0), (0, pad)))
-    else:
-        xf = jnp.pad(xf, ((0, 0), (0, p.k_pad - k)))  # zero columns meet the masked (zero) weight rows
     if fmt == "fp8":
         values = jax.lax.bitcast_convert_type(values, jnp.uint8)
     grouped = fmt == "int4" or group_size > 0
@@ -320,11 +352,11 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, ou
         if not grouped:
             scales = jnp.broadcast_to(scales, (n,))
     zeros = None if zeros is None else zeros.astype(jnp.float32)
-    inputs = (xf, xs, values, scales, zeros)
+    inputs = (x2.reshape(rows * k), values, scales, zeros)
     kw = dict(fmt=fmt, group_size=group_size, grouped=grouped, config=config, interpret=interpret)
-    out = _build_call(p, rows, out_dtype, inputs, **kw)
+    out = _build_call(p, rows, k, out_dtype, inputs, **kw)
     if p.chunks > 1:
-        out = out.sum(axis=0)
+        out = out[:, :n] if config.atomic else out.sum(axis=0)
     return out.astype(out_dtype)
 
 

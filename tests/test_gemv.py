@@ -21,6 +21,7 @@ from tests.test_quantized_matmul import fake_hopper, make_weight, rel_err  # noq
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 SMALL = G.GemvConfig(block_n=32, block_k=16, steps=3)
 SMALL_LOOP = G.GemvConfig(block_n=32, block_k=16, steps=5, depth=2)  # a loop with 2 tiles in flight
+SMALL_ATOMIC = G.GemvConfig(block_n=32, block_k=16, steps=2, atomic=True)  # K chunks meet by atomic adds
 
 # (name, fmt, K, N, group_size, asymmetric, per-tensor scale)
 CASES = (
@@ -83,6 +84,10 @@ class TestInterpretLoop(GemvTestBase):
     config = SMALL_LOOP
 
 
+class TestInterpretAtomic(GemvTestBase):
+    config = SMALL_ATOMIC
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
 class TestTriton(GemvTestBase):
@@ -100,7 +105,7 @@ def test_triton_small_tiles_and_plain_casts(case):
     w = weight(rng, fmt, k, n, g, asym, per_tensor)
     x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
     want = G.reference(x, *w, fmt=fmt, group_size=g)
-    for config in (SMALL, SMALL_LOOP, dataclasses.replace(G.GemvConfig(), bit_convert=False)):
+    for config in (SMALL, SMALL_LOOP, SMALL_ATOMIC, dataclasses.replace(G.GemvConfig(), bit_convert=False)):
         assert rel_err(G.gemv(x, *w, fmt=fmt, group_size=g, config=config, backend="triton"), want) < 4e-3
 
 
@@ -123,7 +128,7 @@ def test_lowers_to_triton_on_cpu(fake_hopper):  # noqa: F811
     for _, fmt, k, n, g, asym, per_tensor in CASES:
         w = weight(np.random.default_rng(0), fmt, k, n, g, asym, per_tensor)
         x = jax.ShapeDtypeStruct((2, k), jnp.bfloat16)
-        for config in (G.GemvConfig(), SMALL, SMALL_LOOP):
+        for config in (G.GemvConfig(), SMALL, SMALL_LOOP, SMALL_ATOMIC):
 
             def f(x, v, s, z, config=config, fmt=fmt, g=g):
                 return G._kernel_jit(x, v, s, z, fmt=fmt, group_size=g, config=config, interpret=False)
