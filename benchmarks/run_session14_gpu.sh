@@ -5,6 +5,8 @@
 #           Compute on the GEMV (4096x14336, M = 1, tuned configs): DRAM throughput, issue use, warp stall reasons
 #   decode  Llama-3-8B shape, random weights, batch-1 decode per weight format, GEMV on and off in one run, with the
 #           configs of $GEMV_CONFIGS (the sweep's JSON, carried back in as an untracked file) when given
+#   all     one call of everything above but the engine tests (machines were scarce): GPU tests, a shorter sweep +
+#           table, decode with the sweep's best configs (GEMV on, traced; and off), then ncu on bf16 and int4_g128
 #   engine  the engine GPU tests (carry .gpu_carry/c after calls that carried .gpu_carry/a and /b on the same warm machine)
 set -o pipefail
 source benchmarks/gpu_model_setup.sh
@@ -17,21 +19,31 @@ sweep)
   timeout 150 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -15
   timeout 400 python3 benchmarks/gemv.py --sweep --budget_s 250 --rows 1 --formats bf16,int8,fp8,int4_g128,int4_g32_asym,int8_g32 \
     --shapes 4096x6144,4096x1024,4096x28672,14336x4096,4096x14336 --out "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/gemv_sweep.log" | grep -v "^sweep"
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
-  SECTIONS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy"
-  for fmt in ${NCU_FORMATS:-bf16 int8 int4_g128}; do
-    timeout 60 $NCU --clock-control none -k regex:gemv $SECTIONS -f -o $OUT/ncu_gemv_$fmt \
-      python3 benchmarks/profile_stream_ncu.py --gemv --fmt $fmt > $OUT/ncu_gemv_$fmt.log 2>&1
-    echo "== ncu gemv $fmt (rc=$?): $(grep launched $OUT/ncu_gemv_$fmt.log)"
-    $NCU --import $OUT/ncu_gemv_$fmt.ncu-rep --csv --page raw > $OUT/ncu_gemv_$fmt.csv 2>/dev/null &&
-      python3 benchmarks/profile_stream_ncu.py --summarise $OUT/ncu_gemv_$fmt.csv | tail -4
-  done
+  bash $0 ncu
   ;;
 decode)
   CONFIGS=""; [ -n "$GEMV_CONFIGS" ] && CONFIGS="--gemv_configs $GEMV_CONFIGS"
   timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 3 \
     --formats ${FORMATS:-bf16,int4_rtn,int8,fp8} --gemv on,off $CONFIGS --compilation_cache_dir "" \
     --trace_dir /tmp/traces --out "$OUT/decode_gemv.json" 2>&1 | tee "$OUT/decode_gemv.log" | grep -v Warning
+  ;;
+all)
+  timeout 100 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -3
+  timeout 200 python3 benchmarks/gemv.py --sweep --budget_s 110 --rows 1 --formats bf16,int8,fp8,int4_g128,int4_g32_asym \
+    --shapes 4096x6144,4096x28672,14336x4096,4096x14336 --out "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/gemv_sweep.log" | grep -v "^sweep"
+  GEMV_CONFIGS=$OUT/gemv_sweep.json FORMATS=bf16,int4_rtn,int8,fp8 timeout 200 bash $0 decode
+  NCU_FORMATS="int4_g128 bf16" timeout 110 bash $0 ncu
+  ;;
+ncu)
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  SECTIONS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy"
+  for fmt in ${NCU_FORMATS:-bf16 int8 int4_g128}; do
+    timeout 50 $NCU --clock-control none -k regex:gemv $SECTIONS -f -o $OUT/ncu_gemv_$fmt \
+      python3 benchmarks/profile_stream_ncu.py --gemv --fmt $fmt > $OUT/ncu_gemv_$fmt.log 2>&1
+    echo "== ncu gemv $fmt (rc=$?): $(grep launched $OUT/ncu_gemv_$fmt.log)"
+    $NCU --import $OUT/ncu_gemv_$fmt.ncu-rep --csv --page raw > $OUT/ncu_gemv_$fmt.csv 2>/dev/null &&
+      python3 benchmarks/profile_stream_ncu.py --summarise $OUT/ncu_gemv_$fmt.csv | tail -4
+  done
   ;;
 engine)
   [ -f $M ] || { echo "SmolLM2 not assembled: stopping"; exit 3; }
