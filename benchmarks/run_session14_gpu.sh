@@ -28,11 +28,11 @@ decode)
     --trace_dir /tmp/traces --out "$OUT/decode_gemv.json" 2>&1 | tee "$OUT/decode_gemv.log" | grep -v Warning
   ;;
 all)
-  timeout 100 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -3
-  timeout 200 python3 benchmarks/gemv.py --sweep --budget_s 110 --rows 1 --formats bf16,int8,fp8,int4_g128,int4_g32_asym \
+  timeout 70 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -3
+  timeout 170 python3 benchmarks/gemv.py --sweep --budget_s 80 --rows 1 --formats bf16,int4_g128,int8,fp8,int4_g32_asym \
     --shapes 4096x6144,4096x28672,14336x4096,4096x14336 --out "$OUT/gemv_sweep.json" 2>&1 | tee "$OUT/gemv_sweep.log" | grep -v "^sweep"
-  GEMV_CONFIGS=$OUT/gemv_sweep.json FORMATS=bf16,int4_rtn,int8,fp8 timeout 200 bash $0 decode
-  NCU_FORMATS="int4_g128 bf16" timeout 110 bash $0 ncu
+  GEMV_CONFIGS=$OUT/gemv_sweep.json FORMATS=bf16,int4_rtn,int8,fp8 timeout 190 bash $0 decode
+  NCU_FORMATS=int4_g128 timeout 60 bash $0 ncu
   ;;
 ncu)
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
