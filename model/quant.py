@@ -196,14 +196,15 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
 # not yet measured on the H200 nor inside whole decode steps.
 GEMV_MAX_ROWS = {"bf16": 1, "int8": 1, "fp8": 1, "int4": 1}
 # Tile configs per format as GemvConfig fields (block_n, block_k, steps, num_warps, bit_convert; "int8_g" is grouped
-# int8): the fastest of 12 on 4096x14336 at M = 1 in session 13's H100 sweep (benchmarks/results/
-# gemv_h100_session13.log; fp8 converts faster through the hardware cast there, int8 4-11% faster through the bits).
+# int8): the fastest on 4096x14336 at M = 1 in session 14's H100 sweep (benchmarks/results/gemv_sweep_h100_session14a
+# .log, 16 configs; the loops with tiles in flight lost to these unrolled programs in every format; fp8 converts
+# faster through the hardware cast), the configs its 8B decode run used (BENCHMARKS.md "GEMV, session 14").
 GEMV_CONFIGS: dict[str, Any] = {
     "bf16": dict(block_n=128, block_k=64, steps=4, num_warps=4),
-    "int8": dict(block_n=128, block_k=8, steps=16, num_warps=4),
-    "int8_g": dict(block_n=128, block_k=32, steps=4, num_warps=2),
+    "int8": dict(block_n=128, block_k=64, steps=4, num_warps=4),
+    "int8_g": dict(block_n=128, block_k=8, steps=16, num_warps=4),
     "fp8": dict(block_n=128, block_k=32, steps=8, num_warps=4, bit_convert=False),
-    "int4": dict(block_n=64, block_k=64, steps=8, num_warps=4),
+    "int4": dict(block_n=128, block_k=16, steps=4, num_warps=4),
 }
 GEMV_BACKEND = "triton"  # tests set "interpret" to run it in the interpreter on a CPU
 
