@@ -23,6 +23,7 @@ STALL = re.compile(r"smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)(?:_p
 COLUMNS = {
     "duration": "gpu__time_duration.sum",
     "dram_%peak": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "gpu_dram_%peak": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",  # this ncu's name for it
     "dram_bytes/s": "dram__bytes_read.sum.per_second",
     "issue_active_%": "smsp__issue_active.avg.pct_of_peak_sustained_active",
     "inst_issued_%": "sm__inst_issued.avg.pct_of_peak_sustained_active",

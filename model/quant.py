@@ -195,12 +195,13 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
 # an H100 it beat every other JAX path in 24 of 25 one-row cases (int4 4-7x XLA; BENCHMARKS.md "GEMV", session 13);
 # not yet measured on the H200 nor inside whole decode steps.
 GEMV_MAX_ROWS = {"bf16": 1, "int8": 1, "fp8": 1, "int4": 1}
-# Tile configs per format as GemvConfig fields (block_n, block_k, steps, num_warps, bit_convert; "int8_g" is grouped
-# int8): the fastest on 4096x14336 at M = 1 in session 14's H100 sweep (benchmarks/results/gemv_sweep_h100_session14a
-# .log, 16 configs; the loops with tiles in flight lost to these unrolled programs in every format; fp8 converts
-# faster through the hardware cast), the configs its 8B decode run used (BENCHMARKS.md "GEMV, session 14").
+# Tile configs per format as GemvConfig fields ("int8_g" is grouped int8): the fastest on 4096x14336 at M = 1 in
+# session 14's two H100 sweeps (benchmarks/results/gemv_sweep_h100_session14{a,b}.log; the loops keeping tiles in
+# flight lost to these unrolled programs in every format; fp8 and bf16 converting by plain casts tie the bit tricks).
+# Atomic split-K (GemvConfig.atomic) won 3-4% in isolation for bf16 and fp8 but is left off: it adds a memset per
+# call in the decode step (0.13 ms per 8B step) and makes the sums' order, hence the last bits, vary run to run.
 GEMV_CONFIGS: dict[str, Any] = {
-    "bf16": dict(block_n=128, block_k=64, steps=4, num_warps=4),
+    "bf16": dict(block_n=128, block_k=32, steps=8, num_warps=4, bit_convert=False),
     "int8": dict(block_n=128, block_k=64, steps=4, num_warps=4),
     "int8_g": dict(block_n=128, block_k=8, steps=16, num_warps=4),
     "fp8": dict(block_n=128, block_k=32, steps=8, num_warps=4, bit_convert=False),

@@ -16,7 +16,7 @@ integer ops plus at most one float add (`bit_convert`; measured on an H100 again
     int4   lo: f32((b & 0x0F) | 0x4B000000) - 2^23             = code
            hi: f32((b & 0xF0) | 0x4B000000) - 2^23             = 16 code; x's odd columns are pre-scaled by 1/16
            the zero point z (any float: GGUF Q4_1's are) leaves the inner loop: sum_k x_k (code_k - z) s =
-           s (sum_k x_k code_k) - s z (sum_k x_k), with each tile's sum of x taken as its x is loaded
+           s (sum_k x_k code_k) - s z (sum_k x_k), with the tile sums of x computed once outside
 
 Data flow, grid = (N tiles, K chunks):
 
@@ -28,8 +28,8 @@ Data flow, grid = (N tiles, K chunks):
                               int4: corr_r[1, bn] += scale[group_i] * zero[group_i] * sum(x_r over tile i)
     and ends with one cross-thread reduction: out[c, r, n tile] = sum(acc_r, axis 0) - corr_r (* per-channel scale)
     f32 partials [C, M, N] are summed (and cast) by XLA, or meet by atomic adds in a zeroed f32 [M, N]
-    (`atomic`); C = 1 stores the output dtype directly. x enters as given (flat [M * K]): its conversion to f32,
-    int4's even / odd split and the tile sums happen in the kernel, so no XLA pass over x precedes the call.
+    (`atomic`); C = 1 stores the output dtype directly. x enters as given (flat [M * K]) and is converted in the
+    kernel, so no XLA pass over x precedes the call, except for int4 (its even / odd split and tile sums: `_pallas`).
 
 Weight layouts are those of model/quant.py ([K, N]; int4 [K/2, N] with row 2i in the low nibble); this module takes
 raw arrays. On CPU the same pallas_call runs in the Pallas interpreter (tests); "xla" is the reference.
@@ -161,7 +161,8 @@ def _load_x(x_ref, r, cols, k, masked: bool):
 
 
 def _gemv_kernel(
-    x_ref,  # [M * K] x as given (bf16 / f16 / f32), flat: every conversion and split happens here
+    x_ref,  # [M * K] x as given (bf16 / f16 / f32), flat; int4: [M, 2, Kp/2] f32 even columns, odd columns / 16
+    xs_ref,  # int4 only: [M, tiles] f32 sums of x over each tile's K columns (0 past K)
     w_ref,  # [K, N] bf16 / int8 / uint8 (fp8 bits); int4: [K/2, N] uint8
     s_ref,  # [N] f32 per-channel scale; grouped: [K/g, N]; None for bf16
     z_ref,  # int4 only: [K/g, N] f32 zero points, or None (symmetric: 8)
@@ -191,11 +192,7 @@ def _gemv_kernel(
         group = r0 // per_group  # grouped formats: a tile lies inside one group
         tile = _load(w_ref, r0, bk, n0, bn, masked_k or masked_n)  # [bk, bn]
         if fmt == "int4":  # stored row i holds x columns 2i (low nibble) and 2i + 1 (high, pre-scaled by 1/16)
-            even = 2 * (r0 + jnp.arange(bk))
-            xr = []
-            for r in range(rows):
-                xe, xo = _load_x(x_ref, r, even, k, masked_k), _load_x(x_ref, r, even + 1, k, masked_k)
-                xr.append((xe, xo * (1.0 / 16.0), jnp.sum(xe) + jnp.sum(xo)))
+            xr = [(x_ref[r, 0, pl.ds(r0, bk)], x_ref[r, 1, pl.ds(r0, bk)], xs_ref[r, r0 // bk]) for r in range(rows)]
         else:
             xr = [_load_x(x_ref, r, r0 + jnp.arange(bk), k, masked_k) for r in range(rows)]  # [bk] per row
         scale = _load_row(s_ref, group, n0, bn) if grouped else None  # [bn]
@@ -290,7 +287,6 @@ def plan(k_rows: int, n: int, fmt: str, group_size: int, config: GemvConfig) -> 
 
 
 def _build_call(p: _Plan, rows: int, k: int, out_dtype, inputs, *, fmt, group_size, grouped, config, interpret):
-    x, w, s, z = inputs
     operands = [a for a in inputs if a is not None]
     atomic = config.atomic and p.chunks > 1
     if p.chunks == 1:
@@ -314,7 +310,7 @@ def _build_call(p: _Plan, rows: int, k: int, out_dtype, inputs, *, fmt, group_si
         bit_convert=config.bit_convert,
         atomic=atomic,
     )
-    args, aliases = (x, w, s, z), {}
+    args, aliases = tuple(inputs), {}
     if atomic:  # the output starts as zeros: an aliased fifth operand the kernel writes through
         kernel = _with_output_alias(kernel)
         args, aliases = (*args, jnp.zeros(out_shape.shape, jnp.float32)), {len(operands): 0}  # flat index
@@ -332,18 +328,29 @@ def _build_call(p: _Plan, rows: int, k: int, out_dtype, inputs, *, fmt, group_si
 def _with_output_alias(kernel):
     """The kernel with the aliased zeros' input ref dropped (its output ref is the same buffer)."""
 
-    def aliased(x_ref, w_ref, s_ref, z_ref, zeros_ref, o_ref):
+    def aliased(x_ref, xs_ref, w_ref, s_ref, z_ref, zeros_ref, o_ref):
         del zeros_ref
-        kernel(x_ref, w_ref, s_ref, z_ref, o_ref)
+        kernel(x_ref, xs_ref, w_ref, s_ref, z_ref, o_ref)
 
     return aliased
 
 
 def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, out_dtype):
-    """x2 [M, K] -> [M, N] in out_dtype through the kernel (x goes in as given, flat: no pass over it here)."""
+    """x2 [M, K] -> [M, N] in out_dtype through the kernel. x goes in as given (flat: no pass over it here), but
+    for int4, whose kernel is bound by its instruction issue (78% of slots at 41% of DRAM bandwidth under Nsight
+    Compute on an H100), the even / odd split and the tile sums of x are one small XLA fusion before the call:
+    in the kernel they cost a cross-thread reduction per tile (8B int4 decode ran 5.5% slower with them there, where
+    the unchanged XLA paths moved 2-4% between the two H100s of that comparison)."""
     rows, k = x2.shape
     n = values.shape[-1]
     p = plan(values.shape[0], n, fmt, group_size, config)
+    x_in, xs = x2.reshape(rows * k), None
+    if fmt == "int4":
+        xf = x2.astype(jnp.float32)
+        tiles = k // (2 * p.bk)  # the sums of x over each tile's 2 bk columns, 0 for the padded tiles
+        xs = jnp.pad(xf.reshape(rows, tiles, 2 * p.bk).sum(axis=-1), ((0, 0), (0, p.k_pad // p.bk - tiles)))
+        x_in = jnp.stack([xf[:, 0::2], xf[:, 1::2] * (1.0 / 16.0)], axis=1)  # [M, 2, K/2]
+        x_in = jnp.pad(x_in, ((0, 0), (0, 0), (0, p.k_pad - values.shape[0])))
     if fmt == "fp8":
         values = jax.lax.bitcast_convert_type(values, jnp.uint8)
     grouped = fmt == "int4" or group_size > 0
@@ -352,7 +359,7 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, ou
         if not grouped:
             scales = jnp.broadcast_to(scales, (n,))
     zeros = None if zeros is None else zeros.astype(jnp.float32)
-    inputs = (x2.reshape(rows * k), values, scales, zeros)
+    inputs = (x_in, xs, values, scales, zeros)
     kw = dict(fmt=fmt, group_size=group_size, grouped=grouped, config=config, interpret=interpret)
     out = _build_call(p, rows, k, out_dtype, inputs, **kw)
     if p.chunks > 1:
