@@ -1,10 +1,12 @@
-"""Issue 13's per-format table as one figure: Llama-3-8B decode tokens/s (H200) beside SmolLM2 perplexity (CPU).
+"""Issue 13's per-format table as one figure: Llama-3-8B decode tokens/s beside SmolLM2 perplexity (CPU).
 
     PYTHONPATH=. python benchmarks/quant_table.py --out benchmarks/results/quant_formats_h200.png
 
 Reads the saved results, measures nothing: decode rows from benchmarks/decode_llama.py runs (--formats, with and
-without --stream_layout), quality rows from benchmarks/quant_quality.py (prose and code perplexity change vs float).
-Formats without a row in a file are left out of that panel.
+without --stream_layout, and session 14's GEMV run, whose rows with --gemv off are left out), quality rows from
+benchmarks/quant_quality.py (prose and code perplexity change vs float). Each series names its device: the GEMV
+series ran on an H100 (no H200 was lent that session), the others on the H200. Formats without a row in a file are
+left out of that panel.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import argparse
 import json
 
 R = "benchmarks/results/"
-DECODE = {"XLA / Triton kernel": R + "decode_formats_llama3_8b_h200.json", "Mosaic streaming kernel":
-          R + "decode_formats_stream_llama3_8b_h200.json"}  # fmt: skip
+DECODE = {"H200, XLA / Triton kernel": R + "decode_formats_llama3_8b_h200.json", "H200, Mosaic streaming kernel":
+          R + "decode_formats_stream_llama3_8b_h200.json",
+          "H100, GEMV (session 14)": R + "decode_gemv_h100_session14a.json"}  # fmt: skip
 QUALITY = R + "quant_quality_v2_g64.json"
 QUALITY_METHODS = ("int8", "fp8", "int4_rtn", "int4_awq", "int4_gptq")
 
@@ -23,7 +26,7 @@ def decode_rows(path: str) -> dict:
     """{(format, batch): tokens/s} of one decode_llama.py JSON (one run or {"runs": [...]})."""
     with open(path) as f:
         data = json.load(f)
-    runs = data.get("runs", [data])
+    runs = [r for r in data.get("runs", [data]) if r.get("gemv", "on") == "on"]
     return {(r["format"], row["batch"]): row["tokens_per_s_loop"] for r in runs for row in r["rows"]}
 
 
@@ -49,10 +52,12 @@ def plot(out: str) -> None:
         for i, (label, rows) in enumerate(decode.items()):
             xs = [j + i * width for j, f in enumerate(formats) if (f, batch) in rows]
             ys = [rows[(f, batch)] for f in formats if (f, batch) in rows]
-            bars = ax.bar(xs, ys, width, label=label)
+            if not ys:  # a series without this batch (the GEMV runs are batch 1 only)
+                continue
+            bars = ax.bar(xs, ys, width, label=label, color=f"C{i}")
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(formats))], formats)
-        ax.set_title(f"Llama-3-8B shape decode, batch {batch} (H200)")
+        ax.set_title(f"Llama-3-8B shape decode, batch {batch}")
         ax.set_ylabel("tokens/s")
         ax.set_ylim(top=1.3 * max(v for rows in decode.values() for (f, b), v in rows.items() if b == batch))
         ax.legend(fontsize=8, loc="upper left")
