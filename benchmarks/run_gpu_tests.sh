@@ -1,8 +1,8 @@
 # GPU-marked tests on the device machine, as `make test-gpu` runs them, for hosts without the set-up's .venv (the
 # device image has jax/flax; `gguf` comes as a wheel under .gpu_carry/). Usage: bash benchmarks/run_gpu_tests.sh
 # <seconds> <test files...>; writes a JUnit XML and the log under $OUT. The default model (98 MB, over what one device
-# call may carry beside the tree) arrives xz-compressed in two halves over two calls: half a is parked in /tmp/gpuc,
-# and once half b is there the file is assembled and its sha256 checked.
+# call may carry beside the tree) arrives xz-compressed in three parts over three calls (benchmarks/make_gpu_carry.sh
+# builds them; benchmarks/gpu_model_setup.sh parks them in /tmp/gpuc and assembles the file, sha256 checked).
 set -u
 source benchmarks/gpu_model_setup.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
