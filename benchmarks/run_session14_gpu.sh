@@ -7,6 +7,8 @@
 #           configs of $GEMV_CONFIGS (the sweep's JSON, carried back in as an untracked file) when given
 #   all     one call of everything above but the engine tests (machines were scarce): GPU tests, a shorter sweep +
 #           table, decode with the sweep's best configs (GEMV on, traced; and off), then ncu on bf16 and int4_g128
+#   streamcmp  8B batch-1 decode of int8 / fp8 / int4 with the Mosaic stream layout copy, GEMV on (it serves one-row
+#           calls first) against off (the stream kernel serves them): which of the two the H200 should use at M = 1
 #   engine  the engine GPU tests (carry .gpu_carry/c after calls that carried .gpu_carry/a and /b on the same warm machine)
 set -o pipefail
 source benchmarks/gpu_model_setup.sh
@@ -44,6 +46,11 @@ ncu)
     $NCU --import $OUT/ncu_gemv_$fmt.ncu-rep --csv --page raw > $OUT/ncu_gemv_$fmt.csv 2>/dev/null &&
       python3 benchmarks/profile_stream_ncu.py --summarise $OUT/ncu_gemv_$fmt.csv | tail -4
   done
+  ;;
+streamcmp)
+  timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 3 \
+    --formats ${FORMATS:-int8,fp8,int4_rtn} --gemv on,off --stream_layout --compilation_cache_dir "" \
+    --out "$OUT/decode_streamcmp.json" 2>&1 | tee "$OUT/decode_streamcmp.log" | grep -v Warning
   ;;
 engine)
   [ -f $M ] || { echo "SmolLM2 not assembled: stopping"; exit 3; }
