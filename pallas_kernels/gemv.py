@@ -153,8 +153,7 @@ def _load_row(ref, r, c0, width):
 
 
 def _load_x(x_ref, r, cols, k, masked: bool):
-    """x[r, cols] of the flat [M * K] x as float32, zero past K when `masked` (cols: a contiguous or strided
-    [bk] index vector)."""
+    """x[r, cols] of the flat [M * K] x as float32 (cols: a [bk] index vector), zero past K when `masked`."""
     if masked:
         return pltriton.load(x_ref.at[r * k + cols], mask=cols < k, other=0).astype(jnp.float32)
     return pltriton.load(x_ref.at[r * k + cols]).astype(jnp.float32)
@@ -240,7 +239,8 @@ def _gemv_kernel(
             out = out * FP8_OUT_SCALE
         if s_ref is not None and not grouped:
             out = out * _load_row(s_ref, None, n0, bn)
-        if atomic:  # the chunks' partials meet in a zeroed f32 [M, N padded to bn]: no mask (the interpreter has none)
+        if atomic:  # the chunks' partials meet in a zeroed f32 [M, N padded to bn], so no mask (the interpreter's
+            # atomic takes none)
             pltriton.atomic_add(o_ref, (jnp.int32(r), pl.ds(n0, bn)), out)
             continue
         lead = (r,) if len(o_ref.shape) == 2 else (chunk, r)  # o_ref [M, N] or [C, M, N]
@@ -311,7 +311,7 @@ def _build_call(p: _Plan, rows: int, k: int, out_dtype, inputs, *, fmt, group_si
         atomic=atomic,
     )
     args, aliases = tuple(inputs), {}
-    if atomic:  # the output starts as zeros: an aliased fifth operand the kernel writes through
+    if atomic:  # the output starts as zeros: one more operand, aliased to the output the kernel adds into
         kernel = _with_output_alias(kernel)
         args, aliases = (*args, jnp.zeros(out_shape.shape, jnp.float32)), {len(operands): 0}  # flat index
     return pl.pallas_call(
