@@ -24,6 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import quantized_matmul as qb  # noqa: E402
+from model import quant  # noqa: E402
 from pallas_kernels import gemv as G  # noqa: E402
 from pallas_kernels import quantized_matmul as qmm  # noqa: E402
 
@@ -158,7 +159,7 @@ def main(argv=None):
             if full:
                 best_config[fmt_name] = min(full, key=full.get)
                 print(f"best {fmt_name}: {best_config[fmt_name]}", flush=True)
-                key = {"int8_g32": "int8_g"}.get(fmt_name, FORMATS[fmt_name][0])  # model.quant.GEMV_CONFIGS' keys
+                key = quant.gemv_config_key(*FORMATS[fmt_name][:2])
                 result["best"].setdefault(key, dataclasses.asdict(best_config[fmt_name]))  # int4: the first swept
                 qb.dump(args.out, result)
     for fmt_name in args.formats.split(","):

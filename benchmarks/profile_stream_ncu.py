@@ -74,7 +74,7 @@ def launch_gemv(fmt: str, config: str) -> None:
     from pallas_kernels import gemv as G  # noqa: PLC0415
 
     base, group, _, _ = gb.FORMATS[fmt]
-    key = "int8_g" if fmt == "int8_g32" else base
+    key = quant.gemv_config_key(base, group)
     cfg = dataclasses.replace(G.GemvConfig(**quant.GEMV_CONFIGS[key]), **eval(f"dict({config})"))  # noqa: S307
     weights = gb.weights_for(fmt, K, N)[0]
     x = jax.random.normal(jax.random.key(1), (1, K), jnp.bfloat16)

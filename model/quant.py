@@ -232,13 +232,18 @@ def use_gemv(w: QuantizedArray | jax.Array, rows: int, x_dtype) -> bool:
     )
 
 
+def gemv_config_key(fmt: str, group_size: int) -> str:
+    """GEMV_CONFIGS' key of a stored format: grouped int8 (GGUF Q8_0) is tuned apart from per-channel int8."""
+    return fmt + ("_g" if fmt == "int8" and group_size else "")
+
+
 def _gemv_matmul(x, w: QuantizedArray | jax.Array, out_dtype):
     from pallas_kernels.gemv import GemvConfig, gemv
 
     if not isinstance(w, QuantizedArray):
         config = GemvConfig(**GEMV_CONFIGS.get("bf16", {}))
         return gemv(x, w, fmt="bf16", config=config, backend=GEMV_BACKEND, out_dtype=out_dtype)
-    config = GemvConfig(**GEMV_CONFIGS.get(w.fmt + ("_g" if w.fmt == "int8" and w.group_size else ""), {}))
+    config = GemvConfig(**GEMV_CONFIGS.get(gemv_config_key(w.fmt, w.group_size), {}))
     kw = dict(fmt=w.fmt, group_size=w.group_size, config=config, backend=GEMV_BACKEND, out_dtype=out_dtype)
     return gemv(x, w.values, w.scales, w.zeros, **kw)
 
