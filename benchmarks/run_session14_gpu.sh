@@ -37,15 +37,7 @@ all)
   NCU_FORMATS=int4_g128 timeout 60 bash $0 ncu
   ;;
 ncu)
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
-  SECTIONS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy"
-  for fmt in ${NCU_FORMATS:-bf16 int8 int4_g128}; do
-    timeout 50 $NCU --clock-control none -k regex:gemv $SECTIONS -f -o $OUT/ncu_gemv_$fmt \
-      python3 benchmarks/profile_stream_ncu.py --gemv --fmt $fmt > $OUT/ncu_gemv_$fmt.log 2>&1
-    echo "== ncu gemv $fmt (rc=$?): $(grep launched $OUT/ncu_gemv_$fmt.log)"
-    $NCU --import $OUT/ncu_gemv_$fmt.ncu-rep --csv --page raw > $OUT/ncu_gemv_$fmt.csv 2>/dev/null &&
-      python3 benchmarks/profile_stream_ncu.py --summarise $OUT/ncu_gemv_$fmt.csv | tail -4
-  done
+  bash benchmarks/profile_stream_ncu.sh gemv ${NCU_FORMATS:-bf16 int8 int4_g128}
   ;;
 streamcmp)
   timeout 560 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1 --ctx 1024 --steps 32 --repeats 3 \
