@@ -8,14 +8,9 @@
 #   decode  Llama-3-8B shape, random weights, batch-1 decode per weight format, the GEMV on and off in one run
 #   final   the short form of gemv2 + decode that fit session 13's last budget                        [not run: no machine]
 # Next session, on an H200: gemv2 then decode on the same warm machine (~10 + ~10 min).
-# The default model arrives in two halves (benchmarks/gpu_model_setup.sh): a call carrying .gpu_carry/a parks it,
-# `engine` carries .gpu_carry/b on the same warm machine.
-set -o pipefail
-source benchmarks/gpu_model_setup.sh
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv
+# The default model arrived in two halves then; since session 14 it comes in three parts (benchmarks/make_gpu_carry.sh):
+# calls carrying .gpu_carry/a and .gpu_carry/b park theirs, `engine` carries .gpu_carry/c on the same warm machine.
+source benchmarks/gpu_call_prelude.sh
 case "$1" in
 gemv)
   timeout 130 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -25

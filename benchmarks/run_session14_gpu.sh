@@ -6,16 +6,12 @@
 #   decode  Llama-3-8B shape, random weights, batch-1 decode per weight format, GEMV on and off in one run, with the
 #           configs of $GEMV_CONFIGS (the sweep's JSON, carried back in as an untracked file) when given
 #   all     one call of everything above but the engine tests (machines were scarce): GPU tests, a shorter sweep +
-#           table, decode with the sweep's best configs (GEMV on, traced; and off), then ncu on bf16 and int4_g128
+#           table, decode with the sweep's best configs (GEMV on, traced; and off), then ncu on int4_g128
+#   ncu     Nsight Compute on the GEMV alone for $NCU_FORMATS (benchmarks/profile_stream_ncu.sh gemv)
 #   streamcmp  8B batch-1 decode of int8 / fp8 / int4 with the Mosaic stream layout copy, GEMV on (it serves one-row
 #           calls first) against off (the stream kernel serves them): which of the two the H200 should use at M = 1
 #   engine  the engine GPU tests (carry .gpu_carry/c after calls that carried .gpu_carry/a and /b on the same warm machine)
-set -o pipefail
-source benchmarks/gpu_model_setup.sh
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv
+source benchmarks/gpu_call_prelude.sh
 case "$1" in
 sweep)
   timeout 150 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_gemv.py 2>&1 | tee "$OUT/gemv_gpu_tests.log" | tail -15
