@@ -264,6 +264,7 @@ class _Plan:
     chunks: int
     k_rows: int  # stored weight rows
     n: int
+    atomic: bool  # the K chunks meet by atomic adds (GemvConfig.atomic, and more than one chunk)
 
     @property
     def k_pad(self) -> int:
@@ -283,12 +284,13 @@ def plan(k_rows: int, n: int, fmt: str, group_size: int, config: GemvConfig) -> 
     bn = min(config.block_n, max(16, 1 << (n - 1).bit_length()))
     tiles = -(-k_rows // bk)
     steps = min(config.steps, tiles)
-    return _Plan(bk, bn, steps, -(-tiles // steps), k_rows, n)
+    chunks = -(-tiles // steps)
+    return _Plan(bk, bn, steps, chunks, k_rows, n, config.atomic and chunks > 1)
 
 
 def _build_call(p: _Plan, rows: int, k: int, out_dtype, inputs, *, fmt, group_size, grouped, config, interpret):
     operands = [a for a in inputs if a is not None]
-    atomic = config.atomic and p.chunks > 1
+    atomic = p.atomic
     if p.chunks == 1:
         out_shape = out_struct((rows, p.n), out_dtype, operands)
     else:
@@ -363,7 +365,7 @@ def _pallas(x2, values, scales, zeros, *, fmt, group_size, config, interpret, ou
     kw = dict(fmt=fmt, group_size=group_size, grouped=grouped, config=config, interpret=interpret)
     out = _build_call(p, rows, k, out_dtype, inputs, **kw)
     if p.chunks > 1:
-        out = out[:, :n] if config.atomic else out.sum(axis=0)
+        out = out[:, :n] if p.atomic else out.sum(axis=0)
     return out.astype(out_dtype)
 
 
