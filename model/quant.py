@@ -192,8 +192,9 @@ def with_stream_layout(w: QuantizedArray) -> QuantizedArray:
 
 # The GEMV (pallas_kernels/gemv.py): decode's smallest batches, every [K, N] format read as stored (no second copy),
 # the codes converted on the FMA units. The largest row count it takes per format; 0 = never. One row everywhere: on
-# an H100 it beat every other JAX path in 24 of 25 one-row cases (int4 4-7x XLA; BENCHMARKS.md "GEMV", session 13);
-# not yet measured on the H200 nor inside whole decode steps.
+# an H100 it beat every other JAX path in 24 of 25 one-row cases (BENCHMARKS.md "GEMV", session 13) and never lost
+# whole-step time in 8B batch-1 decode (int4 5.9x, fp8 1.3x, int8 1.1x, bf16 even; "GEMV, session 14"); not yet
+# measured on the H200.
 GEMV_MAX_ROWS = {"bf16": 1, "int8": 1, "fp8": 1, "int4": 1}
 # Tile configs per format as GemvConfig fields ("int8_g" is grouped int8): the fastest on 4096x14336 at M = 1 in
 # session 14's two H100 sweeps (benchmarks/results/gemv_sweep_h100_session14{a,b}.log; the loops keeping tiles in
