@@ -69,7 +69,8 @@ class GemvConfig:
         depth: 0 unrolls the `steps` tiles with every load issued first; d > 0 runs them in a loop that keeps d tiles
             in flight (a register ring), so a program streams continuously over many tiles.
         atomic: the K chunks' partial sums meet by f32 atomic adds in a zeroed output, not as [C, M, N] partials
-            that XLA sums after the call (one kernel fewer; the order of the adds, hence the last bits, may vary).
+            that XLA sums after the call (one kernel fewer; the order of the adds, hence the last bits, may vary). A
+            call whose K fits one chunk has nothing to sum and stores its output directly either way.
     """
 
     block_n: int = 128
