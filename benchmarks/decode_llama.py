@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import kv as kv_module
 from model import quant
 from model.config import ModelConfig
 from model.sampling import SamplingTensors
@@ -85,7 +86,7 @@ def bench(
     pool_blocks = size_kv_pool(model, block_size, kv_dtype, 0.9, 1 << 30)
     concurrency = pool_blocks // blocks_8k
     print(
-        f"{preset} {fmt} kv={kv_cache_dtype} gemv_max_rows={quant.GEMV_MAX_ROWS}: weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
+        f"{preset} {fmt} kv={kv_cache_dtype} gemv_max_rows={quant.GEMV_MAX_ROWS} fused_rope={kv_module.FUSE_ROPE_KV_WRITE}: weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
         f"({kv_bytes_per_block(model, block_size, kv_dtype) / 2**20:.2f} MiB each) = {concurrency} sequences of "
         f"{concurrency_context} tokens; init+quantise {init_s:.1f}s",
         flush=True,
@@ -224,6 +225,11 @@ def main():
         default="",
         help="a benchmarks/gemv.py --sweep JSON: its best config per format replaces model.quant.GEMV_CONFIGS",
     )
+    p.add_argument(
+        "--fused_rope",
+        default="on",
+        help="comma list of on / off: RoPE + KV write as one kernel (model.kv.FUSE_ROPE_KV_WRITE) or as XLA ops",
+    )
     p.add_argument("--batches", default="1,64")
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
@@ -242,31 +248,28 @@ def main():
     CacheConfig(block_size=a.block_size)  # the engine's checks of these options (ValueError names the option)
     RuntimeConfig(attention_backend=a.backend, compilation_cache_dir=a.compilation_cache_dir)
     enable_compilation_cache(a.compilation_cache_dir)
-    if a.no_attention:
-        from model import kv
-
-        def attend_without_kernel(self, q, k, v, positions, cache):
-            return q, (
-                kv.write_pages(cache[0], k[0], self.slot_mapping),
-                kv.write_pages(cache[1], v[0], self.slot_mapping),
-            )
-
-        kv.PagedMeta.attend = attend_without_kernel
+    if a.no_attention:  # both the fused and the unfused path still write the KV; only the kernel is skipped
+        kv_module.PagedMeta._attend = lambda self, q, *pages, **kw: q
     batches = [int(x) for x in a.batches.split(",") if x]
     runs = []
     gemv_default = dict(quant.GEMV_MAX_ROWS)
-    if set(a.gemv.split(",")) - {"on", "off"}:
-        raise SystemExit(f"--gemv takes a comma list of on / off, got {a.gemv!r}")
     if a.gemv_configs:
         with open(a.gemv_configs) as f:
             quant.GEMV_CONFIGS.update(json.load(f)["best"])
         print(f"GEMV configs: {quant.GEMV_CONFIGS}", flush=True)
-    for fmt, kv, gemv in itertools.product(a.formats.split(","), a.kv_cache_dtypes.split(","), a.gemv.split(",")):
+    for flag, value in (("--gemv", a.gemv), ("--fused_rope", a.fused_rope)):
+        if set(value.split(",")) - {"on", "off"}:
+            raise SystemExit(f"{flag} takes a comma list of on / off, got {value!r}")
+    grid = itertools.product(
+        a.formats.split(","), a.kv_cache_dtypes.split(","), a.gemv.split(","), a.fused_rope.split(",")
+    )
+    for fmt, kv, gemv, fused in grid:
         quant.GEMV_MAX_ROWS = gemv_default if gemv == "on" else {}
+        kv_module.FUSE_ROPE_KV_WRITE = fused == "on"
         args = (a.preset, batches, a.ctx, a.steps, a.block_size, a.backend, a.repeats)
         kw = dict(fmt=fmt, kv_cache_dtype=kv, concurrency_context=a.concurrency_context, stream_layout=a.stream_layout)
-        kw["trace_dir"] = a.trace_dir and f"{a.trace_dir}/gemv_{gemv}"
-        runs.append(bench(*args, **kw) | {"gemv": gemv})
+        kw["trace_dir"] = a.trace_dir and f"{a.trace_dir}/{fmt}_{kv}_gemv_{gemv}_rope_{fused}"
+        runs.append(bench(*args, **kw) | {"gemv": gemv, "fused_rope": fused})
         with open(a.out, "w") as f:  # rewritten after each run: a run cut short keeps what it finished
             json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=2)
 

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 NEG_INF = -1e30
+# The paged path's RoPE + KV write as one kernel where PagedMeta.fuses_rope allows (off: the unfused XLA ops, for
+# A/B runs such as benchmarks/decode_llama.py --fused_rope off).
+FUSE_ROPE_KV_WRITE = True
 
 
 def masked_attention(
@@ -153,11 +156,40 @@ class PagedMeta:
         out, *cache = fn(self, q[0], k[0], v[0], *cache)
         return out[None], tuple(cache)
 
+    def fuses_rope(self, cache: Any, num_kv_heads: int) -> bool:
+        """Whether this step's RoPE and KV write run as one kernel (`rope_attend`): on a GPU (the kernel backends),
+        for float or int8 pages (fp8 K is stored rotated, model/kv.py rotate_for_kv) of the model's own KV heads on
+        one device, with hd / 2 a power of two, unless FUSE_ROPE_KV_WRITE is off."""
+        from pallas_kernels import rope_kv_write
+        from pallas_kernels.backend import resolve_backend
+
+        k_pages = cache[0]
+        half = k_pages.shape[-1] // 2
+        tp = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
+        return (
+            FUSE_ROPE_KV_WRITE
+            and tp == 1
+            and k_pages.shape[0] == num_kv_heads
+            and jnp.dtype(k_pages.dtype) in rope_kv_write.PAGE_DTYPES
+            and half > 0
+            and half & (half - 1) == 0
+            and resolve_backend(self.backend, "rope_kv_write") != "xla"
+        )
+
+    def rope_attend(self, qkv, positions, inv_freq, cache, *, num_q_heads, window=None, sm_scale=None):
+        """`attend` for q | k | v still unrotated: qkv [1, T, (Hq + 2 Hkv) * hd] -> (out [1, T, Hq, hd], cache).
+        One kernel rotates q and k and writes K / V (quantised for int8 pages) into their slots; then the same
+        attention kernels as `attend`. Only where `fuses_rope` says so."""
+        from pallas_kernels.rope_kv_write import rope_kv_write
+
+        q, *cache = rope_kv_write(
+            qkv[0], positions[0], self.slot_mapping, inv_freq, *cache, num_q_heads=num_q_heads, backend=self.backend
+        )
+        out = self._attend(q, *cache, window=window, sm_scale=sm_scale)
+        return out[None], tuple(cache)
+
     def _write_attend(self, q, k, v, k_pages, v_pages, k_scales=None, v_scales=None, window=None, sm_scale=None):
         """KV write then the kernel on one device's heads: q [T, Hq, hd], k/v [T, Hkv, hd] -> (out, *cache)."""
-        from pallas_kernels.paged_attention import paged_attention
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
         quantised = k_scales is not None
         if quantised:
             q, k = rotate_for_kv(q, k, k_pages.dtype)  # fp8 K: both in the Hadamard basis (q.k unchanged)
@@ -167,24 +199,30 @@ class PagedMeta:
             v_scales = write_scales(v_scales, v_new_scales, self.slot_mapping)
         k_pages = write_pages(k_pages, k, self.slot_mapping)
         v_pages = write_pages(v_pages, v, self.slot_mapping)
+        out = self._attend(q, k_pages, v_pages, k_scales, v_scales, window=window, sm_scale=sm_scale)
+        return (out, k_pages, v_pages, k_scales, v_scales) if quantised else (out, k_pages, v_pages)
+
+    def _attend(self, q, k_pages, v_pages, k_scales=None, v_scales=None, window=None, sm_scale=None):
+        """The attention kernel over pages already written: the paged decode kernel or the ragged one."""
+        from pallas_kernels.paged_attention import paged_attention
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
         attn_args = dict(window=window, sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales)
         if self.decode_only:
-            out = paged_attention(
+            return paged_attention(
                 q, k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend, **attn_args
             )
-        else:
-            out = ragged_paged_attention(
-                q,
-                k_pages,
-                v_pages,
-                self.block_tables,
-                self.kv_lens,
-                self.cu_q_lens,
-                self.num_seqs,
-                backend=self.backend,
-                **attn_args,
-            )
-        return (out, k_pages, v_pages, k_scales, v_scales) if quantised else (out, k_pages, v_pages)
+        return ragged_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            self.block_tables,
+            self.kv_lens,
+            self.cu_q_lens,
+            self.num_seqs,
+            backend=self.backend,
+            **attn_args,
+        )
 
 
 def write_pages(pages: jax.Array, new_thd: jax.Array, slots_t: jax.Array) -> jax.Array:
