@@ -107,6 +107,7 @@ SIZES = {
 # after their fusion (gemm_fusion_* is a Triton GEMM, so matmul is tried before the fusions); cuBLAS kernels
 # carry gemm / gemv / nvjet / xmma / cutlass.
 CATEGORIES = (
+    ("rope_kv", ("rope_kv_write",)),  # pallas_kernels/rope_kv_write.py: RoPE + the KV-page write in one kernel
     ("attention", ("paged_decode", "ragged_paged", "flash_attention", "attention", "fmha", "flash_fwd")),
     ("matmul", ("gemm", "gemv", "nvjet", "cublas", "cutlass", "xmma", "matmul", "qmm_", "w8a8", "splitk", "dot")),
     ("copy", ("memcpy", "memset", "copy", "dynamic_update_slice", "dynamic-update-slice", "scatter", "transpose")),

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 15's device calls (issue 17 item 2: RoPE + the KV-page write as one kernel, pallas_kernels/rope_kv_write.py).
+#   rope    GPU tests of the new kernel and of the GEMV; the kernel alone against the unfused XLA ops per call
+#           (benchmarks/rope_kv_write.py, 8B attention shape, bf16 and int8 pages); then Llama-3-8B shape, random
+#           weights, decode at batch 1 and 64, bf16 and int8 KV, fused on and off in one run, each traced (per-step
+#           kernel breakdown: the rope_kv category against the elementwise and copy kernels it replaces)
+#   engine  the engine GPU tests (carry .gpu_carry/c after calls that carried .gpu_carry/a and /b on the same warm machine)
+source benchmarks/gpu_call_prelude.sh
+case "$1" in
+rope)
+  timeout 100 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_rope_kv_write.py tests/test_gemv.py 2>&1 \
+    | tee "$OUT/rope_gemv_gpu_tests.log" | tail -4
+  timeout 120 python3 benchmarks/rope_kv_write.py --out "$OUT/rope_kv_write.json" 2>&1 | tee "$OUT/rope_kv_write.log" \
+    | grep -v Warning
+  timeout 330 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1,64 --ctx 1024 --steps 32 --repeats 3 \
+    --formats bf16 --kv_cache_dtypes auto,int8 --fused_rope on,off --compilation_cache_dir "" \
+    --trace_dir /tmp/traces --out "$OUT/decode_fused_rope.json" 2>&1 | tee "$OUT/decode_fused_rope.log" | grep -v Warning
+  ;;
+engine)
+  [ -f $M ] || { echo "SmolLM2 not assembled: stopping"; exit 3; }
+  timeout 560 python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_spec_device_loop.py \
+    tests/test_quantized_matmul.py tests/test_gguf_quant.py 2>&1 | tee "$OUT/engine_gpu_tests.log" | tail -30
+  ;;
+esac
