@@ -53,6 +53,7 @@ import numpy as np
 
 from benchmarks.engine_core import device_spans, timeline
 from checkpoints.tokenizer import NullTokenizer
+from model import kv as kv_module
 from model.config import ModelConfig
 from model.transformer import random_model
 from serving.config import EngineConfig
@@ -690,6 +691,9 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak", type=float, default=0.0, help="peak output tokens/s (0: measure it with a burst)")
     p.add_argument("--ramp_fraction", type=float, default=0.25)
     p.add_argument(
+        "--fused_rope", choices=("on", "off"), default="on", help="RoPE + KV write as one kernel (model.kv) or XLA ops"
+    )
+    p.add_argument(
         "--max_prefill_tokens_while_decoding", type=int, default=0, help="the scheduler's cap (0: off, the default)"
     )
     for name, value in SIZES["full"].items():  # defaults by preset family (see SIZES)
@@ -724,12 +728,13 @@ def _args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     a = _args(argv)
+    kv_module.FUSE_ROPE_KV_WRITE = a.fused_rope == "on"
     enable_compilation_cache(a.compilation_cache_dir)
     cfg = ModelConfig.preset(a.preset)
     t0 = time.perf_counter()
     model = random_model(cfg, jnp.dtype(a.dtype))
     jax.block_until_ready(jax.tree.leaves(model)[0])
-    common = dict(device=jax.devices()[0].device_kind, preset=a.preset, dtype=a.dtype)
+    common = dict(device=jax.devices()[0].device_kind, preset=a.preset, dtype=a.dtype, fused_rope=a.fused_rope)
 
     def emit(row: dict) -> None:
         row = row | common

@@ -4,6 +4,8 @@
 #           (benchmarks/rope_kv_write.py, 8B attention shape, bf16 and int8 pages); then Llama-3-8B shape, random
 #           weights, decode at batch 1 and 64, bf16 and int8 KV, fused on and off in one run, each traced (per-step
 #           kernel breakdown: the rope_kv category against the elementwise and copy kernels it replaces)
+#   perf    the engine's per-step profile at batch 1 / 64 / 256 and the 1,000-token TTFT with the kernel (perf17.py),
+#           the TTFT again without it, then the 1,000 x (1,000 / 1,000) bf16 throughput run in what time is left
 #   engine  the engine GPU tests (carry .gpu_carry/c after calls that carried .gpu_carry/a and /b on the same warm machine)
 source benchmarks/gpu_call_prelude.sh
 case "$1" in
@@ -15,6 +17,15 @@ rope)
   timeout 330 python3 benchmarks/decode_llama.py --preset llama3_8b --batches 1,64 --ctx 1024 --steps 32 --repeats 3 \
     --formats bf16 --kv_cache_dtypes auto,int8 --fused_rope on,off --compilation_cache_dir "" \
     --trace_dir /tmp/traces --out "$OUT/decode_fused_rope.json" 2>&1 | tee "$OUT/decode_fused_rope.log" | grep -v Warning
+  ;;
+perf)
+  CC=/tmp/jax_cc; O=$OUT/perf17_session15.jsonl
+  timeout 230 python3 benchmarks/perf17.py --what profile,ttft --ttft_backends pallas --compilation_cache_dir $CC \
+    --trace_dir /tmp/perf17_trace --out $O > $OUT/perf17_on.log 2>&1; echo "rc=$?"; grep "^perf17 " $OUT/perf17_on.log | cut -c1-400
+  timeout 110 python3 benchmarks/perf17.py --what ttft --ttft_backends pallas --fused_rope off --compilation_cache_dir $CC \
+    --out $O > $OUT/perf17_off.log 2>&1; echo "rc=$?"; grep "^perf17 ttft" $OUT/perf17_off.log | cut -c1-400
+  timeout 220 python3 benchmarks/throughput.py --preset llama3_8b --time_limit 170 --compilation_cache_dir $CC \
+    --out $OUT/throughput_llama3_8b_bf16.json 2>&1 | tee $OUT/throughput.log | grep -v Warning | tail -12
   ;;
 engine)
   [ -f $M ] || { echo "SmolLM2 not assembled: stopping"; exit 3; }
