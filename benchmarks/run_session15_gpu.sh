@@ -6,6 +6,8 @@
 #           kernel breakdown: the rope_kv category against the elementwise and copy kernels it replaces)
 #   perf    the engine's per-step profile at batch 1 / 64 / 256 and the 1,000-token TTFT with the kernel (perf17.py),
 #           the TTFT again without it, then the 1,000 x (1,000 / 1,000) bf16 throughput run in what time is left
+#   blocked the 1,000 x (1,000 / 1,000) bf16 run twice, $TL seconds each: decode loops also while waiting requests lack KV
+#           blocks (on, this session's rule) and the rule before it (off), the same workload's first $TL seconds
 #   engine  the engine GPU tests (carry .gpu_carry/c after calls that carried .gpu_carry/a and /b on the same warm machine)
 source benchmarks/gpu_call_prelude.sh
 case "$1" in
@@ -26,6 +28,13 @@ perf)
     --out $O > $OUT/perf17_off.log 2>&1; echo "rc=$?"; grep "^perf17 ttft" $OUT/perf17_off.log | cut -c1-400
   timeout 220 python3 benchmarks/throughput.py --preset llama3_8b --time_limit 170 --compilation_cache_dir $CC \
     --out $OUT/throughput_llama3_8b_bf16.json 2>&1 | tee $OUT/throughput.log | grep -v Warning | tail -12
+  ;;
+blocked)
+  for rule in on off; do
+    timeout $((${TL:-120} + 70)) python3 benchmarks/throughput.py --preset llama3_8b --time_limit ${TL:-120} \
+      --loop_while_blocked $rule --compilation_cache_dir /tmp/jax_cc --out $OUT/throughput_blocked_$rule.json 2>&1 \
+      | grep -E '"(finished|steps|decode_loops|output_tokens|output_tokens_per_s|preemptions|warmup_s|num_kv_blocks)"'
+  done
   ;;
 engine)
   [ -f $M ] || { echo "SmolLM2 not assembled: stopping"; exit 3; }

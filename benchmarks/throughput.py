@@ -39,6 +39,14 @@ def main():
     p.add_argument("--block_size", type=int, default=16)
     p.add_argument("--decode_steps", type=int, default=8)
     p.add_argument("--memory_fraction", type=float, default=0.85)
+    p.add_argument("--num_kv_blocks", type=int, default=0, help="a KV pool of this many blocks (0: sized from memory)")
+    p.add_argument(
+        "--loop_while_blocked",
+        choices=("on", "off"),
+        default="on",
+        help="off: decode loops only while no request waits or every slot is taken (the rule before session 15: "
+        "not while waiting requests lack KV blocks), for A/B runs",
+    )
     p.add_argument("--time_limit", type=float, default=400.0)
     p.add_argument("--out", default="throughput.json")
     p.add_argument("--quantization", default="", help="a weight format of serving/engine/quantize.py ('' = bf16)")
@@ -48,6 +56,13 @@ def main():
     a = p.parse_args()
     enable_compilation_cache(a.compilation_cache_dir)
 
+    if a.loop_while_blocked == "off":
+        from serving.engine.decode_loop import DecodeLoops
+
+        def old_room(self):
+            return self.k > 1 and (not self.scheduler.num_waiting or self.scheduler.num_running >= self.max_num_seqs)
+
+        DecodeLoops._room = old_room
     cfg = ModelConfig.preset(a.preset)
     t0 = time.perf_counter()
     model = random_model(cfg, jnp.bfloat16)
@@ -60,6 +75,7 @@ def main():
         max_num_batched_tokens=a.max_num_batched_tokens,
         block_size=a.block_size,
         kv_cache_memory_fraction=a.memory_fraction,
+        num_kv_blocks=a.num_kv_blocks or None,
         decode_steps=a.decode_steps,
         enable_prefix_caching=False,
         warmup=False,
@@ -120,6 +136,7 @@ def main():
         "executables": engine.runner.num_compiles,
         "steps": steps,
         "decode_loops": engine.num_decode_loops,
+        "loop_while_blocked": a.loop_while_blocked,
         "num_kv_blocks": engine.runner.num_blocks,
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / wall,

@@ -192,6 +192,27 @@ def test_decode_loop_runs_while_requests_wait_for_a_slot(engine, reference):
     assert any(n > 0 for n in loops_while_waiting), loops_while_waiting
 
 
+def test_decode_loop_runs_while_requests_wait_for_blocks(engine, reference):
+    """With free slots but too few free KV blocks (a long queue's KV-bound regime), waiting requests cannot start
+    until a running one ends either: decoding stays on device there too, and exact."""
+    sched = use_scheduler(engine, enable_prefix_caching=False, num_blocks=9)  # 8 usable: about two requests at once
+    launches = []
+    original = engine.loops.launch
+
+    def spy(out, limits):
+        launches.append((sched.num_waiting, sched.num_running))
+        return original(out, limits)
+
+    engine.loops.launch = spy
+    try:
+        prompts, max_tokens = MIXED_PROMPTS[6:11], MIXED_MAX_TOKENS[6:11]
+        tracks = run(engine, [(p, greedy(m)) for p, m in zip(prompts, max_tokens)])
+    finally:
+        del engine.loops.launch
+    assert_matches_reference(tracks, prompts, max_tokens, reference)
+    assert any(w > 0 and r < engine.config.max_num_seqs for w, r in launches), launches
+
+
 def test_async_scheduling_is_exact(engine, reference):
     """Loops launched before the host applied the previous one (overlap) give the tokens of overlap off."""
     outputs = {}

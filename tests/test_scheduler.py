@@ -142,6 +142,27 @@ def test_max_num_seqs_limits_running():
     assert sorted(by_id(out)) == ["a", "b"] and s.num_running == 2 and s.num_waiting == 1
 
 
+def test_admission_blocked_until_a_request_ends_or_arrives():
+    """A waiting request the last schedule could not start (here: a free slot but too few free blocks) stays
+    unstartable until a running request finishes or another arrives; the engine's decode loop keys off it."""
+    s = make(num_blocks=6, max_num_seqs=8)  # 5 usable blocks: one 12-token prompt (3 blocks + growth) at a time
+    s.add_request(req("a", 12, max_tokens=4))
+    assert not s.admission_blocked  # nothing scheduled yet
+    step(s)
+    assert not s.admission_blocked  # nothing waits
+    s.add_request(req("b", 12, max_tokens=4))
+    assert not s.admission_blocked  # a new arrival may start at the next schedule
+    out, _ = step(s)
+    assert list(by_id(out)) == ["a"] and s.num_waiting == 1 and s.num_running < s.max_num_seqs
+    assert s.admission_blocked  # b waits for blocks, not for a slot
+    while "b" not in by_id(out):
+        out, done = step(s)
+        if done:
+            assert not s.admission_blocked  # a finished: its blocks may start b
+    s.abort("b")
+    assert not s.admission_blocked
+
+
 def test_chunked_prefill_disabled_waits_for_budget_and_rejects_oversized():
     s = make(budget=6, enable_chunked_prefill=False)
     s.add_request(req("a", 4))

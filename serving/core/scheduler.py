@@ -128,6 +128,10 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self._prefill_left = max_num_batched_tokens  # prompt tokens this step may still take (schedule())
+        # True when the last schedule() left waiting requests it could not start (no free slot, too few free blocks
+        # or no budget) and none has finished or arrived since: the next schedule() would start none either, so
+        # the engine may go on decoding on the device meanwhile (serving/engine/decode_loop.py).
+        self.admission_blocked = False
         self.enable_chunked_prefill = enable_chunked_prefill
         self.kv = KVManager(num_blocks, block_size, enable_prefix_caching, window=kv_window)
         self.requests: dict[str, Request] = {}  # Unfinished requests.
@@ -202,6 +206,7 @@ class Scheduler:
             req.status, req.finish_reason, req.finish_message = RequestStatus.FINISHED, "error", reason
             raise RequestRejected(f"request {req.request_id!r} rejected: {reason}")
         req.status = RequestStatus.WAITING
+        self.admission_blocked = False  # it may be the one to start (priority order)
         self.requests[req.request_id] = req
         self._add_order[req.request_id] = next(self._counter)
         self._push_waiting(req, front=False)
@@ -216,6 +221,7 @@ class Scheduler:
         """Finishes a request (e.g. the engine matched a stop string): its computed full blocks go to the
         prefix cache, its references are dropped, and it leaves the scheduler."""
         req = self.requests.pop(request_id)
+        self.admission_blocked = False  # its slot and blocks may start a waiting request
         if req.status is RequestStatus.RUNNING:
             self.kv.release(req)
             self.running.remove(req)
@@ -238,8 +244,10 @@ class Scheduler:
             # the others.
             self._schedule_running(out, scheduled, protect=False)
         self._attach_drafts(out)
+        self.admission_blocked = False
         if not out.preempted_ids:
             self._admit_waiting(out)
+            self.admission_blocked = bool(self._waiting)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[str], protect: bool) -> None:

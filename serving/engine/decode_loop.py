@@ -60,10 +60,11 @@ class DecodeLoops:
     max_model_len = property(lambda self: self._engine.max_model_len)
 
     def _room(self) -> bool:
-        """Loops run only when no waiting request could be admitted (a free slot would need the host); with every
-        slot taken they could not be admitted before a running request finishes anyway."""
-        slots_full = self.scheduler.num_running >= self.max_num_seqs
-        return self.k > 1 and (not self.scheduler.num_waiting or slots_full)
+        """Loops run only when no waiting request could be admitted (starting one needs the host): none waits, or
+        the last schedule could start none of them (every slot taken, or too few free blocks: the KV-bound regime
+        of a long queue) and nothing has finished since, so none could start before a running request ends."""
+        blocked = self.scheduler.admission_blocked or self.scheduler.num_running >= self.max_num_seqs
+        return self.k > 1 and (not self.scheduler.num_waiting or blocked)
 
     def _row_limit(self, req: Request, ahead: int) -> int | None:
         """Tokens a loop starting `ahead` tokens past the request's state may compute; None: host needed."""
