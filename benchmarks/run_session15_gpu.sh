@@ -31,7 +31,7 @@ perf)
   ;;
 blocked)
   for rule in on off; do
-    timeout $((${TL:-120} + 70)) python3 benchmarks/throughput.py --preset llama3_8b --time_limit ${TL:-120} \
+    timeout $((${TL:-120} + 200)) python3 benchmarks/throughput.py --preset llama3_8b --time_limit ${TL:-120} \
       --loop_while_blocked $rule --compilation_cache_dir /tmp/jax_cc --out $OUT/throughput_blocked_$rule.json 2>&1 \
       | grep -E '"(finished|steps|decode_loops|output_tokens|output_tokens_per_s|preemptions|warmup_s|num_kv_blocks)"'
   done
