@@ -193,6 +193,7 @@ def _engine(model, a, **overrides) -> LLMEngine:
         enable_prefix_caching=False,  # repeated prompts must be computed again, not found in the cache
         warmup=False,
         compilation_cache_dir=a.compilation_cache_dir,
+        async_scheduling=a.async_scheduling == "on",
     )
     opts.update(overrides)
     return LLMEngine(model, NullTokenizer(), EngineConfig.from_kwargs(**opts))
@@ -260,20 +261,26 @@ def _profile_batch(engine: LLMEngine, model, a, batch: int) -> dict:
         for o in engine.step():
             seen[o.request_id] += bool(o.new_token_ids)
         if not traced and min(seen.values()) >= 2:  # every row decodes inside the loop now
-            jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+            if not a.no_trace:
+                jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
             traced, t0, loops0 = True, time.perf_counter(), engine.num_decode_loops
         if traced and engine.num_decode_loops - loops0 >= a.profile_loops:
             break
     loops = engine.num_decode_loops - loops0 if traced else 0
-    wall = time.perf_counter() - t0
+    wall = 0.0
     if traced:
         jax.block_until_ready(engine.runner.kv_cache)  # the loop in flight ends inside the trace
-        jax.profiler.stop_trace()
+        wall = time.perf_counter() - t0
+        if not a.no_trace:
+            jax.profiler.stop_trace()
     _drain(engine, rids)
     row = dict(what="profile", batch=batch, input_len=a.profile_input, decode_steps=a.decode_steps, loops=loops)
     if not traced:
         return row | dict(error=f"the rows never all reached the decode loop within {a.time_limit} s")
-    row["wall_ms_per_step"] = 1e3 * wall / max(1, loops * a.decode_steps)
+    row |= dict(wall_ms_per_step=1e3 * wall / max(1, loops * a.decode_steps), traced=not a.no_trace)
+    row |= dict(async_scheduling=a.async_scheduling, chained_loops=engine.loops.num_chained)
+    if a.no_trace:
+        return row
     return row | step_profile(*device_spans(trace_dir), model.cfg.num_layers, loops * a.decode_steps)
 
 
@@ -649,6 +656,10 @@ def itl_load(engine: LLMEngine, model, a, emit) -> None:
 
 def _summary(r: dict) -> str:
     w = r["what"]
+    if w == "profile" and not r.get("traced", True):
+        return (
+            f"profile batch {r['batch']} untraced: {r['wall_ms_per_step']:.3f} ms/step (async {r['async_scheduling']})"
+        )
     if w == "profile" and r.get("per_step_ms"):
         cats = " ".join(f"{c} {v:.3f} ({r['pct_of_span'][c]:.0f}%)" for c, v in r["per_step_ms"].items())
         return f"profile batch {r['batch']}: {r['step_ms']:.3f} ms/step ({r['steps']} steps traced): {cats}"
@@ -690,6 +701,12 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of peak output tokens/s")
     p.add_argument("--peak", type=float, default=0.0, help="peak output tokens/s (0: measure it with a burst)")
     p.add_argument("--ramp_fraction", type=float, default=0.25)
+    p.add_argument(
+        "--no_trace",
+        action="store_true",
+        help="profile: time the same loops without the profiler (its host overhead lengthens the gaps it measures)",
+    )
+    p.add_argument("--async_scheduling", choices=("on", "off"), default="on", help="the engine's chained loops")
     p.add_argument(
         "--fused_rope", choices=("on", "off"), default="on", help="RoPE + KV write as one kernel (model.kv) or XLA ops"
     )

@@ -8,6 +8,8 @@
 #           the TTFT again without it, then the 1,000 x (1,000 / 1,000) bf16 throughput run in what time is left
 #   blocked the 1,000 x (1,000 / 1,000) bf16 run twice, $TL seconds each: decode loops also while waiting requests lack KV
 #           blocks (on, this session's rule) and the rule before it (off), the same workload's first $TL seconds
+#   overlap the engine's decode step at batch 1 / 64 / 256 without the profiler, chained loops on and off (is the
+#           traced one-gap-per-loop the host's apply in series with the GPU, or the profiler's own host overhead?)
 #   engine  the engine GPU tests (carry .gpu_carry/c after calls that carried .gpu_carry/a and /b on the same warm machine)
 source benchmarks/gpu_call_prelude.sh
 case "$1" in
@@ -34,6 +36,12 @@ blocked)
     timeout $((${TL:-120} + 200)) python3 benchmarks/throughput.py --preset llama3_8b --time_limit ${TL:-120} \
       --loop_while_blocked $rule --compilation_cache_dir /tmp/jax_cc --out $OUT/throughput_blocked_$rule.json 2>&1 \
       | grep -E '"(finished|steps|decode_loops|output_tokens|output_tokens_per_s|preemptions|warmup_s|num_kv_blocks)"'
+  done
+  ;;
+overlap)
+  for a in on off; do
+    timeout 250 python3 benchmarks/perf17.py --what profile --no_trace --async_scheduling $a --compilation_cache_dir /tmp/jax_cc \
+      --out $OUT/perf17_overlap.jsonl 2>&1 | grep "^perf17 profile batch"
   done
   ;;
 engine)
