@@ -194,6 +194,9 @@ def _engine(model, a, **overrides) -> LLMEngine:
         warmup=False,
         compilation_cache_dir=a.compilation_cache_dir,
         async_scheduling=a.async_scheduling == "on",
+        quantization=a.quantization or None,
+        kv_cache_dtype=a.kv_cache_dtype,
+        quantized_stream_layout=a.stream_layout,
     )
     opts.update(overrides)
     return LLMEngine(model, NullTokenizer(), EngineConfig.from_kwargs(**opts))
@@ -707,6 +710,9 @@ def _args(argv=None) -> argparse.Namespace:
         help="profile: time the same loops without the profiler (its host overhead lengthens the gaps it measures)",
     )
     p.add_argument("--async_scheduling", choices=("on", "off"), default="on", help="the engine's chained loops")
+    p.add_argument("--quantization", default="", help="a weight format of serving/engine/quantize.py ('' = none)")
+    p.add_argument("--kv_cache_dtype", default="auto", help="auto, int8 or fp8")
+    p.add_argument("--stream_layout", action="store_true", help="quantised weights also in the streaming layout")
     p.add_argument(
         "--fused_rope", choices=("on", "off"), default="on", help="RoPE + KV write as one kernel (model.kv) or XLA ops"
     )
@@ -752,6 +758,7 @@ def main(argv=None) -> None:
     model = random_model(cfg, jnp.dtype(a.dtype))
     jax.block_until_ready(jax.tree.leaves(model)[0])
     common = dict(device=jax.devices()[0].device_kind, preset=a.preset, dtype=a.dtype, fused_rope=a.fused_rope)
+    common |= dict(quantization=a.quantization or "none", kv_cache_dtype=a.kv_cache_dtype)
 
     def emit(row: dict) -> None:
         row = row | common

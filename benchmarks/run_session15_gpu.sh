@@ -10,6 +10,9 @@
 #           blocks (on, this session's rule) and the rule before it (off), the same workload's first $TL seconds
 #   overlap the engine's decode step at batch 1 / 64 / 256 without the profiler, chained loops on and off (is the
 #           traced one-gap-per-loop the host's apply in series with the GPU, or the profiler's own host overhead?)
+#   fp8     the traced step profile at batch 1 / 64 / 256 with fp8 weights (stream layout) and fp8 KV, then int8 KV:
+#           session 9's fp8 + fp8 KV 1000 x 1000 run (7,364 tok/s) fell below bf16's 8,042 with no profile to say why
+#   Next session, in this order: `TL=120 ... blocked`, then `overlap`, then `fp8` (each its own call).
 #   engine  the engine GPU tests (carry .gpu_carry/c after calls that carried .gpu_carry/a and /b on the same warm machine)
 source benchmarks/gpu_call_prelude.sh
 case "$1" in
@@ -42,6 +45,13 @@ overlap)
   for a in on off; do
     timeout 250 python3 benchmarks/perf17.py --what profile --no_trace --async_scheduling $a --compilation_cache_dir /tmp/jax_cc \
       --out $OUT/perf17_overlap.jsonl 2>&1 | grep "^perf17 profile batch"
+  done
+  ;;
+fp8)
+  for kv in fp8 int8; do
+    timeout 280 python3 benchmarks/perf17.py --what profile --quantization fp8 --stream_layout --kv_cache_dtype $kv \
+      --compilation_cache_dir /tmp/jax_cc --trace_dir /tmp/perf17_fp8_$kv --out $OUT/perf17_fp8.jsonl 2>&1 \
+      | grep "^perf17 profile batch" | cut -c1-400
   done
   ;;
 engine)
