@@ -211,7 +211,8 @@ def rope_kv_write(
         positions: [T] int, each token's position (its RoPE angle).
         slots: [T] int, each token's flat slot page * page_size + offset; all in range.
         inv_freq: [hd / 2] float32 RoPE inverse frequencies (model/layers.py rope_inv_freq).
-        k_pages, v_pages: [Hkv, P, ps, hd] bf16 / f16 / f32 / int8; donate them to update in place.
+        k_pages, v_pages: [Hkv, P, ps, hd] bf16 / f16 / f32 / int8; updated in place inside a jit that donates
+            them (the engine's step); an eager call leaves the caller's arrays as they were (XLA copies them).
         k_scales, v_scales: [Hkv, P, ps] float32, with int8 pages only.
         num_q_heads: Hq.
         config: tiling; None: RopeKVConfig().
@@ -239,7 +240,7 @@ def rope_kv_write(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("hq", "config", "interpret"), donate_argnums=(4, 5, 6, 7))
+@functools.partial(jax.jit, static_argnames=("hq", "config", "interpret"))
 def _kernel_jit(
     qkv, positions, slots, inv_freq, k_pages, v_pages, k_scales=None, v_scales=None, *, hq, config, interpret
 ):

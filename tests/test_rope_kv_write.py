@@ -108,6 +108,15 @@ class RopeKVWriteBase:
             np.testing.assert_array_equal(g[:, 1:], w[:, 1:])
 
 
+def test_an_eager_call_leaves_the_callers_pools_as_they_were():
+    qkv, positions, slots, inv_freq, pages = _inputs(3, 4, 2, 16, 3, 4, jnp.bfloat16, seed=3)
+    before = [np.asarray(p, np.float32) for p in pages]
+    out = R.rope_kv_write(qkv, positions, slots, inv_freq, *pages, num_q_heads=4, backend="interpret")
+    for p, b, o in zip(pages, before, out[1:]):
+        np.testing.assert_array_equal(np.asarray(p, np.float32), b)  # still readable, unchanged
+        assert not np.array_equal(np.asarray(o, np.float32), b)  # the returned pools hold the writes
+
+
 class TestInterpret(RopeKVWriteBase):
     backend = "interpret"
 
