@@ -166,10 +166,11 @@ class DecodeLoops:
                 num_batched_tokens=len(live),
             )
         by_id = {r.request_id: i for i, (r, _) in enumerate(cur.rows)}
+        columns = np.asarray(tokens).T.tolist()  # [rows][k] Python ints in one call, not one int() a token
         sampled, computed = {}, {}
         for sr in out.scheduled:
             i = by_id[sr.request_id]
-            sampled[sr.request_id] = [int(t) for t in tokens[: cur.limits[i], i]]
+            sampled[sr.request_id] = columns[i][: cur.limits[i]]
             computed[sr.request_id] = cur.limits[i]
         return out, sampled, computed
 
