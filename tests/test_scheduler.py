@@ -392,7 +392,7 @@ def test_update_appends_several_tokens_and_stops_midway():
 
 
 def _first_stop_one_by_one(req, tokens, max_model_len):
-    """The rule token by token, as update() applied it before its one-pass _first_stop."""
+    """The rule token by token, as update() applied it before its one-pass Request.first_stop."""
     p, n0, t0 = req.sampling_params, req.num_output_tokens, req.num_tokens
     for j, token in enumerate(tokens):
         n, t = n0 + j + 1, t0 + j + 1
@@ -405,7 +405,6 @@ def _first_stop_one_by_one(req, tokens, max_model_len):
 
 def test_first_stop_matches_the_token_by_token_rule():
     rng = random.Random(0)
-    s = make(max_model_len=24)
     for _ in range(3000):
         params = dict(
             max_tokens=rng.randint(1, 12),
@@ -417,7 +416,7 @@ def test_first_stop_matches_the_token_by_token_rule():
         r = req("a", rng.randint(1, 8), **params)
         r.extend_output([rng.randint(10, 12) for _ in range(rng.randint(0, params["max_tokens"] - 1))])
         tokens = [rng.choice([EOS, 3, 4, 5, 6, 7, 11]) for _ in range(rng.randint(0, 9))]
-        assert s._first_stop(r, tokens) == _first_stop_one_by_one(r, tokens, 24), (params, r.output_token_ids, tokens)
+        assert r.first_stop(tokens, 24) == _first_stop_one_by_one(r, tokens, 24), (params, r.output_token_ids, tokens)
 
 
 def test_update_rejects_missing_or_misplaced_tokens():

@@ -305,6 +305,23 @@ class Request:
         p = self.sampling_params
         return set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_token_ids)
 
+    def first_stop(self, tokens: Sequence[int], max_model_len: int) -> tuple[int, FinishReason | None]:
+        """(tokens to keep, the stop they end on or None) if `tokens` were appended one by one (Scheduler.update):
+        token j (0-based) makes the output n0 + j + 1 long; it stops on a stop id or EOS once that is >=
+        min_tokens, or on reaching max_tokens or max_model_len. One pass per row, not one check per token (the
+        host's apply of a k-step loop is on the decode's critical path)."""
+        params = self.sampling_params
+        n0, t0 = self.num_output_tokens, self.num_tokens
+        last = min(params.max_tokens - n0, max_model_len - t0)  # a length stop keeps `last` tokens
+        stops = self.stop_ids()
+        if stops and not stops.isdisjoint(tokens):
+            for j in range(max(params.min_tokens - n0 - 1, 0), min(max(last, 1), len(tokens))):
+                if tokens[j] in stops:
+                    return j + 1, "stop"
+        if last <= len(tokens) and tokens:
+            return max(last, 1), "length"
+        return len(tokens), None
+
     def extend_output(self, token_ids: Sequence[int], logprobs: Sequence[Any] | None = None) -> None:
         """Appends generated tokens (and their logprob entries when given)."""
         self.output_token_ids.extend(token_ids)

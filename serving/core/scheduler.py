@@ -443,7 +443,7 @@ class Scheduler:
             # Valid KV from start_pos on: a draft row's own token and its accepted drafts (the rest is garbage).
             n_valid = len(tokens) if sr.num_draft else computed.get(req.request_id, len(sr.token_ids))
             entries = logprobs.get(req.request_id) if logprobs else None
-            keep, reason = self._first_stop(req, tokens)
+            keep, reason = req.first_stop(tokens, self.max_model_len)
             req.extend_output(tokens[:keep], entries[:keep] if entries else None)
             # Positions past the kept tokens hold KV of tokens dropped after a stop: not part of the request.
             req.num_computed_tokens = min(sr.start_pos + n_valid, req.num_tokens)
@@ -458,23 +458,6 @@ class Scheduler:
             if sr.start_pos < req.num_prompt_tokens:
                 self.kv.cache_computed(req)  # Share prompt blocks with concurrent requests as soon as computed.
         return finished
-
-    def _first_stop(self, req: Request, tokens: Sequence[int]) -> tuple[int, FinishReason | None]:
-        """(tokens to keep, the stop they end on or None), as appending them one by one would decide: token j
-        (0-based) makes the output n0 + j + 1 long; it stops on a stop id or EOS once that is >= min_tokens, or
-        on reaching max_tokens or max_model_len. One pass per row, not one check per token (the host's apply of
-        a k-step loop is on the decode's critical path)."""
-        params = req.sampling_params
-        n0, t0 = req.num_output_tokens, req.num_tokens
-        last = min(params.max_tokens - n0, self.max_model_len - t0)  # a length stop keeps `last` tokens
-        stops = req.stop_ids()
-        if stops and not stops.isdisjoint(tokens):
-            for j in range(max(params.min_tokens - n0 - 1, 0), min(max(last, 1), len(tokens))):
-                if tokens[j] in stops:
-                    return j + 1, "stop"
-        if last <= len(tokens) and tokens:
-            return max(last, 1), "length"
-        return len(tokens), None
 
     # ------------------------------------------------------------------------------------------------ helpers
 
