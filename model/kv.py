@@ -158,7 +158,7 @@ class PagedMeta:
 
     def fuses_rope(self, cache: Any, num_kv_heads: int) -> bool:
         """Whether this step's RoPE and KV write run as one kernel (`rope_attend`): on a GPU (the kernel backends),
-        for float or int8 pages (fp8 K is stored rotated, model/kv.py rotate_for_kv) of the model's own KV heads on
+        for float or int8 pages (fp8 K is stored rotated: rotate_for_kv) of the model's own KV heads on
         one device, with hd / 2 a power of two, unless FUSE_ROPE_KV_WRITE is off."""
         from pallas_kernels import rope_kv_write
         from pallas_kernels.backend import resolve_backend
