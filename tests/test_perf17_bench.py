@@ -197,3 +197,14 @@ def test_every_mode_runs_on_tiny_and_writes_json(tmp_path):
     assert load["peak_output_tokens_per_s"] == 200 and load["arrival_rate_rps"] == pytest.approx(0.8 * 200 / 24)
     assert load["goal_metric"].startswith("itl_token_p99_load_over_idle")
     assert {r["what"] for r in rows} >= {"profile_done", "ttft_done", "long_done", "itl_load_done", "engine"}
+
+
+def test_untraced_profile_without_chained_loops(tmp_path):
+    """--no_trace times the same loops without the profiler; --async_scheduling off chains none of them."""
+    out = tmp_path / "perf17.jsonl"
+    perf17.main(["--what", "profile", "--preset", "tiny", "--dtype", "float32", "--no_trace", "--async_scheduling",
+                 "off", "--batches", "4", "--trace_dir", str(tmp_path / "trace"), "--out", str(out)])  # fmt: skip
+    (row,) = [r for r in map(json.loads, out.read_text().splitlines()) if r["what"] == "profile"]
+    assert not row["traced"] and row["async_scheduling"] == "off" and row["chained_loops"] == 0
+    assert row["loops"] >= 2 and row["wall_ms_per_step"] > 0 and "per_step_ms" not in row
+    assert not (tmp_path / "trace").exists()  # no profiler ran
