@@ -244,10 +244,9 @@ class Scheduler:
             # the others.
             self._schedule_running(out, scheduled, protect=False)
         self._attach_drafts(out)
-        self.admission_blocked = False
         if not out.preempted_ids:
             self._admit_waiting(out)
-            self.admission_blocked = bool(self._waiting)
+        self.admission_blocked = not out.preempted_ids and bool(self._waiting)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: set[str], protect: bool) -> None:
