@@ -164,15 +164,12 @@ class PagedMeta:
         from pallas_kernels.backend import resolve_backend
 
         k_pages = cache[0]
-        half = k_pages.shape[-1] // 2
         tp = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
         return (
             FUSE_ROPE_KV_WRITE
             and tp == 1
             and k_pages.shape[0] == num_kv_heads
-            and jnp.dtype(k_pages.dtype) in rope_kv_write.PAGE_DTYPES
-            and half > 0
-            and half & (half - 1) == 0
+            and rope_kv_write.kernel_supports(k_pages.dtype, k_pages.shape[-1])
             and resolve_backend(self.backend, "rope_kv_write") != "xla"
         )
 

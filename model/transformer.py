@@ -55,11 +55,11 @@ class Attention(nnx.Module):
         qkv = matmul(x_btd, self.wqkv.get_value())  # [B, T, q + 2 kv] (wider when KV heads repeat per shard)
         if cfg.attention_bias:
             qkv = qkv + self.bqkv[...].astype(qkv.dtype)
-        if not cfg.is_gemma and self.qkv_shards == 1 and isinstance(meta, PagedMeta):
-            if meta.fuses_rope(cache, cfg.num_kv_heads):  # RoPE + KV write in one kernel (model/kv.py)
-                kw = dict(num_q_heads=cfg.num_heads, window=self.window, sm_scale=cfg.attn_scale)
-                out, cache = meta.rope_attend(qkv, positions_bt, inv_freq, cache, **kw)
-                return matmul(out.reshape(b, t, cfg.q_size), self.wo.get_value()), cache
+        fused = not cfg.is_gemma and self.qkv_shards == 1 and isinstance(meta, PagedMeta)
+        if fused and meta.fuses_rope(cache, cfg.num_kv_heads):  # RoPE + KV write in one kernel (model/kv.py)
+            kw = dict(num_q_heads=cfg.num_heads, window=self.window, sm_scale=cfg.attn_scale)
+            out, cache = meta.rope_attend(qkv, positions_bt, inv_freq, cache, **kw)
+            return matmul(out.reshape(b, t, cfg.q_size), self.wo.get_value()), cache
         q, k, v = unfuse_output(qkv, group_parts(cfg, "wqkv"), self.qkv_shards)
         q = q.reshape(b, t, -1, cfg.head_dim)  # [B, T, Hq, hd]
         k = k.reshape(b, t, -1, cfg.head_dim)  # [B, T, Hkv (or tp, repeated), hd]

@@ -67,6 +67,13 @@ class RopeKVConfig:
         return 1 if t <= 64 else 8
 
 
+def kernel_supports(page_dtype, head_dim: int) -> bool:
+    """Whether the kernel (not only the reference) takes pages of this dtype and head size: bf16 / f16 / f32 / int8,
+    and hd / 2 a power of two (Triton vectors)."""
+    half = head_dim // 2
+    return jnp.dtype(page_dtype) in PAGE_DTYPES and head_dim % 2 == 0 and half > 0 and half & (half - 1) == 0
+
+
 # Layer 1: the kernel -----------------------------------------------------------------------------------------------
 
 
@@ -186,7 +193,7 @@ def _validate(qkv, positions, slots, inv_freq, k_pages, v_pages, k_scales, v_sca
         raise ValueError("int8 pages need k_scales and v_scales, and only int8 pages take them")
     if quantised and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
         raise ValueError(f"scales must be [Hkv, P, ps] = {k_pages.shape[:3]}, got {k_scales.shape}, {v_scales.shape}")
-    if kernel and (hd // 2) & (hd // 2 - 1):
+    if kernel and not kernel_supports(k_pages.dtype, hd):
         raise ValueError(f"the kernel needs hd / 2 a power of two (Triton vectors), got hd {hd}")
 
 
