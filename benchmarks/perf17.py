@@ -730,6 +730,8 @@ def _args(argv=None) -> argparse.Namespace:
     bad = [m for m in a.modes if m not in MODES]
     if bad or not a.modes:
         p.error(f"--what: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    if a.no_trace and "profile" not in a.modes:
+        p.error("--no_trace applies to --what profile only")
     a.batch_list = [int(x) for x in a.batches.split(",") if x]
     a.long_length_list = sorted(int(x) for x in a.long_lengths.split(",") if x)
     a.ttft_backend_list = [x for x in a.ttft_backends.split(",") if x]

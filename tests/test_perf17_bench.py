@@ -158,6 +158,7 @@ def test_drive_adds_requests_at_their_arrival_and_records_each_delivery():
 def test_bad_options_name_the_flag(capsys):
     for argv, flag in (
         (["--what", "profile,bogus"], "--what"),
+        (["--what", "ttft", "--no_trace"], "--no_trace"),
         (["--what", "ttft", "--ttft_backends", "triton"], "--ttft_backends"),
         (["--what", "profile", "--preset", "tiny", "--batches", "1,64"], "--batches"),
     ):
