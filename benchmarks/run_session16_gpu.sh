@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Session 16's device calls (issue 17: the figures session 15 left without a profile or an answer).
+#   fp8     the engine's traced decode step at batch 1 / 64 / 256 with fp8 weights (W8A16, streaming layout) and fp8
+#           KV (session 9's 1,000 x 1,000 fp8 run, 7,364 tok/s, fell below bf16's 8,042 with no profile to say why);
+#           then benchmarks/matmul_rows.py: the fp8 matmul per path and row count (1 .. 8,192) beside bf16's dot
+#   overlap the engine's decode step at batch 1 / 64 / 256 without the profiler, chained loops on and off (is the
+#           traced one-gap-per-loop the host's apply in series with the GPU, or the profiler's own host overhead?)
+#   blocked the 1,000 x (1,000 / 1,000) bf16 run twice, $TL seconds each: decode loops also while waiting requests lack KV
+#           blocks (on) and the rule before it (off)
+#   tests   the GPU tests of the RoPE + KV-write kernel and the GEMV on the final code
+source benchmarks/gpu_call_prelude.sh
+case "$1" in
+fp8)
+  timeout 300 python3 benchmarks/perf17.py --what profile --quantization fp8 --stream_layout --kv_cache_dtype fp8 \
+    --compilation_cache_dir /tmp/jax_cc --trace_dir /tmp/perf17_fp8 --out $OUT/perf17_fp8.jsonl > $OUT/perf17_fp8.log 2>&1
+  echo "rc=$?"; grep "^perf17 profile batch" $OUT/perf17_fp8.log | cut -c1-600
+  timeout ${MR_TL:-230} python3 benchmarks/matmul_rows.py --shapes 4096x28672,4096x6144 --rows 1,64,256,512,2048,8192 \
+    --paths bf16,engine,xla_dequant,stream,w8a8 --budget_s $((${MR_TL:-230} - 40)) --out $OUT/matmul_rows.json 2>&1 \
+    | grep "^matmul_rows"
+  ;;
+overlap)
+  for a in on off; do
+    timeout 250 python3 benchmarks/perf17.py --what profile --no_trace --async_scheduling $a --compilation_cache_dir /tmp/jax_cc \
+      --out $OUT/perf17_overlap.jsonl 2>&1 | grep "^perf17 profile batch"
+  done
+  ;;
+blocked)
+  for rule in on off; do
+    timeout $((${TL:-120} + 200)) python3 benchmarks/throughput.py --preset llama3_8b --time_limit ${TL:-120} \
+      --loop_while_blocked $rule --compilation_cache_dir /tmp/jax_cc --out $OUT/throughput_blocked_$rule.json 2>&1 \
+      | grep -E '"(finished|steps|decode_loops|output_tokens|output_tokens_per_s|preemptions|warmup_s|num_kv_blocks)"'
+  done
+  ;;
+tests)
+  timeout 150 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_rope_kv_write.py tests/test_gemv.py 2>&1 \
+    | tee "$OUT/rope_gemv_gpu_tests.log" | tail -4
+  ;;
+esac
