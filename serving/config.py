@@ -34,7 +34,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on an acce
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "medusa")
-QUANTIZATIONS = ("int8", "fp8", "w8a8_fp8", "w8a8_int8", "int4_awq", "int4_gptq", "int4_rtn")
+QUANTIZATIONS = ("int8", "fp8", "w8a8_fp8", "w8a8_fp8_rtn", "w8a8_int8", "int4_awq", "int4_gptq", "int4_rtn")
 # "gguf": no quantisation at load; a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights stay as stored (int8 / int4 group 32)
 KEEP_GGUF = "gguf"
 QUANTIZATION_CHOICES = (*QUANTIZATIONS, KEEP_GGUF)
@@ -234,7 +234,7 @@ class QuantizationConfig:
             "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights kept as they are stored (int8 / int4 group 32,
             Q4_1's float zero points) instead of dequantised at load (the default SmolLM2 file is Q4_1).
         calibration_file: text whose activations calibrate AWQ / GPTQ / SmoothQuant and the fp8 weights of fp8 /
-            w8a8_fp8 (None: a small built-in text); int8 and int4_rtn need none.
+            w8a8_fp8 (None: a small built-in text); int8, int4_rtn and w8a8_fp8_rtn need none.
         stream_layout: int8 / fp8 / int4_* only (STREAM_LAYOUT_METHODS): also store each quantised weight in the
             Hopper streaming kernel's [N, K] layout (pallas_kernels/stream_matmul_mgpu.py), which decode then runs
             on (int4 weights a checkpoint kept quantised, GGUF Q4_0 / Q4_1, too). On the H200 at Llama-3-8B shape

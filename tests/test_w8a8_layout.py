@@ -33,7 +33,7 @@ def _w8a8(k, n, method, seed=0):
     return quantize_lib.quantize_weight(method, w, x), w
 
 
-@pytest.mark.parametrize("method", ["w8a8_int8", "w8a8_fp8"])
+@pytest.mark.parametrize("method", ["w8a8_int8", "w8a8_fp8", "w8a8_fp8_rtn"])
 def test_quantize_weight_stores_nk(method):
     q, _ = _w8a8(96, 40, method)
     kn = quant.to_layout(q, "kn")

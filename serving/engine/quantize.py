@@ -9,6 +9,8 @@ o, gate, up, down; not the embedding, nor the LM head, which asks for float32 lo
     int8       W8A16 int8, round to nearest per output channel        (no calibration)
     fp8        W8A16 fp8 e4m3 per output channel, scales searched     (calibrated: fp8_calibrated)
     w8a8_fp8   GPTQ e4m3 weights, fp8 activations with per-token scales (calibrated)
+    w8a8_fp8_rtn  e4m3 weights per channel (amax / 448), fp8 activations per token: no calibration, loads in
+               seconds (vLLM's and TensorRT-LLM's dynamic fp8); prefill on the fp8 tensor cores as w8a8_fp8
     w8a8_int8  SmoothQuant (alpha 0.5), int8 activations per token   (calibrated)
     int4_rtn   int4 asymmetric per group, round to nearest           (no calibration)
     int4_awq   AWQ scale + clip search, int4 asymmetric per group    (calibrated)
@@ -103,6 +105,8 @@ def quantize_weight(method: str, w_kn: jax.Array, x_tk: jax.Array | None) -> Qua
         return qm.fp8_calibrated(w, x_tk)
     if method == "w8a8_fp8":  # stored [N, K]: the layout the W8A8 kernel (and decode's streaming kernel) reads
         return quant.to_layout(qm.fp8_w8a8(w, x_tk, weights="gptq"), "nk")
+    if method == "w8a8_fp8_rtn":
+        return quant.to_layout(qm.fp8_w8a8(w), "nk")
     if method == "w8a8_int8":
         return quant.to_layout(qm.smoothquant(w, x_tk, alpha=0.5), "nk")
     group = dict(group_size=int4_group(w.shape[0]), asymmetric=True, zero_point="float")
