@@ -3,6 +3,8 @@
 #   fp8     the engine's traced decode step at batch 1 / 64 / 256 with fp8 weights (W8A16, streaming layout) and fp8
 #           KV (session 9's 1,000 x 1,000 fp8 run, 7,364 tok/s, fell below bf16's 8,042 with no profile to say why);
 #           then benchmarks/matmul_rows.py: the fp8 matmul per path and row count (1 .. 8,192) beside bf16's dot
+#   w8a8    the 1,000 x (1,000 / 1,000) run with w8a8_fp8_rtn weights (prefill on the fp8 tensor cores) and int8 KV
+#           (fused RoPE + page write), $TL s; then the traced decode step at batch 64 / 256 in that format
 #   overlap the engine's decode step at batch 1 / 64 / 256 without the profiler, chained loops on and off (is the
 #           traced one-gap-per-loop the host's apply in series with the GPU, or the profiler's own host overhead?)
 #   blocked the 1,000 x (1,000 / 1,000) bf16 run twice, $TL seconds each: decode loops also while waiting requests lack KV
@@ -17,6 +19,15 @@ fp8)
   timeout ${MR_TL:-230} python3 benchmarks/matmul_rows.py --shapes 4096x28672,4096x6144 --rows 1,64,256,512,2048,8192 \
     --paths bf16,engine,xla_dequant,stream,w8a8 --budget_s $((${MR_TL:-230} - 40)) --out $OUT/matmul_rows.json 2>&1 \
     | grep "^matmul_rows"
+  ;;
+w8a8)
+  timeout $((${TL:-220} + 180)) python3 benchmarks/throughput.py --preset llama3_8b --time_limit ${TL:-220} \
+    --quantization w8a8_fp8_rtn --kv_cache_dtype int8 --compilation_cache_dir /tmp/jax_cc \
+    --out $OUT/throughput_w8a8_fp8_rtn_int8kv.json 2>&1 | grep -v Warning | tail -40
+  timeout ${PT:-170} python3 benchmarks/perf17.py --what profile --batches 64,256 --quantization w8a8_fp8_rtn \
+    --kv_cache_dtype int8 --compilation_cache_dir /tmp/jax_cc --trace_dir /tmp/perf17_w8a8 \
+    --out $OUT/perf17_w8a8.jsonl > $OUT/perf17_w8a8.log 2>&1
+  echo "rc=$?"; grep "^perf17 profile batch" $OUT/perf17_w8a8.log | cut -c1-600
   ;;
 overlap)
   for a in on off; do
