@@ -9,6 +9,8 @@
 #           traced one-gap-per-loop the host's apply in series with the GPU, or the profiler's own host overhead?)
 #   blocked the 1,000 x (1,000 / 1,000) bf16 run twice, $TL seconds each: decode loops also while waiting requests lack KV
 #           blocks (on) and the rule before it (off)
+#   paged   the paged decode kernel's tiles per page dtype (int8, bf16) at batch 256 / 64, context 576 / 1,536
+#           (benchmarks/paged_decode_sweep.py): int8 pages ran at ~2.0 TB/s in the W8A8 throughput step, bf16 ~3.0
 #   tests   the GPU tests of the RoPE + KV-write kernel and the GEMV on the final code
 source benchmarks/gpu_call_prelude.sh
 case "$1" in
@@ -41,6 +43,10 @@ blocked)
       --loop_while_blocked $rule --compilation_cache_dir /tmp/jax_cc --out $OUT/throughput_blocked_$rule.json 2>&1 \
       | grep -E '"(finished|steps|decode_loops|output_tokens|output_tokens_per_s|preemptions|warmup_s|num_kv_blocks)"'
   done
+  ;;
+paged)
+  timeout 280 python3 benchmarks/paged_decode_sweep.py --budget_s 230 --out $OUT/paged_decode_sweep.json 2>&1 \
+    | grep "^paged_decode_sweep" | cut -c1-300
   ;;
 tests)
   timeout 150 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_rope_kv_write.py tests/test_gemv.py 2>&1 \

@@ -1,0 +1,43 @@
+"""benchmarks/matmul_rows.py and benchmarks/paged_decode_sweep.py end to end on a CPU (--smoke): every case they
+promise is in the JSON, timed, and (the sweep) agrees with the kernel's reference."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from benchmarks import matmul_rows, paged_decode_sweep
+
+
+def _run(monkeypatch, module, *argv):
+    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
+    module.main()
+
+
+def test_matmul_rows_smoke(monkeypatch, tmp_path):
+    out = tmp_path / "rows.json"
+    _run(
+        monkeypatch, matmul_rows, "--smoke", "--rows", "1,3", "--paths", "bf16,engine,xla_fp8,stream", "--out", str(out)
+    )
+    cases = json.loads(out.read_text())["cases"]
+    # The GPU-only path (stream) is left out on a CPU; every other (format, rows, path) is timed once.
+    got = {(c["fmt"], c["rows"], c["path"]) for c in cases}
+    want = {(f, r, p) for f in matmul_rows.FORMATS for r in (1, 3) for p in ("bf16", "engine", "xla_fp8")}
+    assert got == want and len(cases) == len(want)
+    assert all(c["us"] > 0 and "error" not in c for c in cases)
+
+
+def test_paged_decode_sweep_smoke(monkeypatch, tmp_path):
+    out = tmp_path / "sweep.json"
+    _run(monkeypatch, paged_decode_sweep, "--smoke", "--page_dtypes", "int8,fp8", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["pages"], r["config"]) for r in rows] == [
+        (d, str(c)) for d in ("int8", "fp8") for c in paged_decode_sweep.CONFIGS[:2]
+    ]
+    assert all(r["rel_err"] < 2e-2 and r["us"] > 0 for r in rows)
+
+
+def test_paged_decode_sweep_page_bytes():
+    # codes plus one float32 scale per token per head for 1-byte pages; K and V
+    assert paged_decode_sweep.page_bytes(2, 10, paged_decode_sweep.PAGE_DTYPES["int8"]) == 2 * 2 * 10 * 8 * (128 + 4)
+    assert paged_decode_sweep.page_bytes(2, 10, paged_decode_sweep.PAGE_DTYPES["bf16"]) == 2 * 2 * 10 * 8 * 256
