@@ -239,3 +239,18 @@ def test_sampling_tensors_columns_match_the_per_row_dicts():
         assert g.dtype == w.dtype and g.shape == (3,), field.name
         np.testing.assert_array_equal(g, w, err_msg=field.name)
     assert _sampling_tensors([], 0).temperature.shape == (0,)
+
+
+def test_pad_sampling_pads_with_greedy_rows():
+    from serving.engine.runner import pad_sampling
+
+    st = SamplingTensors.from_rows([dict(temperature=0.7, top_k=5, top_p=0.9, seed=3, step=2)] * 3)
+    padded = pad_sampling(st, 8)
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "repetition_penalty"):
+        a, b = getattr(st, name), getattr(padded, name)
+        assert b.shape == (8,) and b.dtype == a.dtype, name
+        np.testing.assert_array_equal(b[:3], a)
+        np.testing.assert_array_equal(b[3:], 0)  # temperature 0: the padding rows are greedy
+    assert pad_sampling(st, 3).temperature.tolist() == st.temperature.tolist()
+    with pytest.raises(ValueError):
+        pad_sampling(st, 2)  # more rows than the bucket
