@@ -51,7 +51,8 @@ def test_option_checks():
     assert EngineConfig.from_kwargs(quantization="int8", quantized_stream_layout=True).quantization.stream_layout
     for method in ("int4_rtn", "int4_awq", "int4_gptq"):
         assert EngineConfig.from_kwargs(quantization=method, quantized_stream_layout=True).quantization.stream_layout
-    for method in ("w8a8_fp8", "w8a8_fp8_rtn", "w8a8_int8"):  # activations quantised per call: the streaming kernel takes bf16 x
+    # W8A8: activations quantised per call, while the streaming kernel takes bf16 x
+    for method in ("w8a8_fp8", "w8a8_fp8_rtn", "w8a8_int8"):
         with pytest.raises(ValueError, match="quantized_stream_layout"):
             EngineConfig.from_kwargs(quantization=method, quantized_stream_layout=True)
     with pytest.raises(ValueError, match="quantized_stream_layout"):
