@@ -242,7 +242,7 @@ def test_sampling_tensors_columns_match_the_per_row_dicts():
 
 
 def test_pad_sampling_pads_with_greedy_rows():
-    from serving.engine.runner import pad_sampling
+    from model.sampling import pad_sampling
 
     st = SamplingTensors.from_rows([dict(temperature=0.7, top_k=5, top_p=0.9, seed=3, step=2)] * 3)
     padded = pad_sampling(st, 8)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from model.sampling import SamplingTensors
+from model.sampling import SamplingTensors, pad_sampling
 from pallas_kernels.backend import device_supports
 from serving.config import KEEP_GGUF, EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
@@ -32,7 +32,7 @@ from serving.core.scheduler import Scheduler, SchedulerOutput
 from serving.engine.decode_loop import DecodeLoops, has_penalties
 from serving.engine.executable_cache import caches_compiled_code
 from serving.engine.quantize import add_stream_layout, kv_cache_dtype, quantize_model
-from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, pad_sampling, sample_rows, size_kv_pool
+from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, sample_rows, size_kv_pool
 from serving.engine.spec_loop import SpecLoops
 from serving.engine.speculate import make_spec_decoder
 from serving.engine.structured import StructuredOutputs, sample_rows_masked

@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 
 from model.medusa import MedusaHeads, head_logits, load_heads
-from model.sampling import SamplingTensors
+from model.sampling import SamplingTensors, pad_sampling
 from serving.engine.proposers import Proposal, ProposalRow, Proposer, _check_rows
-from serving.engine.runner import ModelRunner, pad_sampling
+from serving.engine.runner import ModelRunner
 from serving.speculative import processed_target_probs, row_keys
 
 _DRAFT_STREAM = 7  # fold_in tag of the draft draws: independent of the verify step's (1) and its Gumbel draw (none)

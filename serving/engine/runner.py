@@ -39,7 +39,7 @@ from flax import nnx
 
 from model.kv import PagedMeta, init_paged_cache, kv_bytes_per_token_head
 from model.pipeline import copy_stage_pages, init_stage_cache, num_stages, pipelined
-from model.sampling import SamplingTensors, sample
+from model.sampling import SamplingTensors, pad_sampling, sample
 from model.transformer import Transformer
 from pallas_kernels.backend import resolve_backend
 from serving.engine.executable_cache import ExecutableCache
@@ -507,19 +507,6 @@ def _add(a, b):
 def _copy_pages(kv, src, dst):
     """Every array of every layer (pages, and the scales of quantised pages): block dst := block src."""
     return [tuple(a.at[:, dst].set(a[:, src]) for a in layer) for layer in kv]
-
-
-def pad_sampling(st: SamplingTensors, s: int) -> SamplingTensors:
-    """Pads every per-row field to S rows with zeros (padding rows greedy). Once per step on the host: a copy into
-    zeros, ~10x faster than np.pad (~100 us a call here, on every step's critical path before dispatch)."""
-
-    def pad(a):
-        a = np.asarray(a)
-        out = np.zeros(s, a.dtype)
-        out[: len(a)] = a
-        return out
-
-    return jax.tree.map(pad, st)
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))

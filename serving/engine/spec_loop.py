@@ -54,13 +54,12 @@ import numpy as np
 from flax import nnx
 
 from model.kv import PagedMeta
-from model.sampling import SamplingTensors
+from model.sampling import SamplingTensors, pad_sampling
 from serving.core.request import Request, RequestStatus
 from serving.core.scheduler_output import SchedulerOutput
 from serving.engine.draft_model import ModelDraftProposer
 from serving.engine.head_proposer import MedusaProposer, draw_drafts
 from serving.engine.proposers import NgramProposer, ProposalRow
-from serving.engine.runner import pad_sampling
 from serving.speculative import processed_target_probs, rejection_sample, row_keys
 
 MAX_STOP_IDS = 8  # stop ids per row the loop stops on (the scheduler applies every one anyway: this only saves work)

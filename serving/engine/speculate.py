@@ -33,13 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.sampling import NEG_INF, SamplingTensors
+from model.sampling import NEG_INF, SamplingTensors, pad_sampling
 from serving.core.request import Request, RequestStatus
 from serving.core.scheduler_output import SchedulerOutput
 from serving.core.spec_policy import SpecPolicy, SpecPolicyConfig
 from serving.engine.decode_loop import has_penalties
 from serving.engine.proposers import NgramProposer, ProposalRow, Proposer
-from serving.engine.runner import RowInput, pad_sampling
+from serving.engine.runner import RowInput
 from serving.speculative import processed_target_probs, rejection_sample, row_keys
 
 _MAX_BANNED = 8
