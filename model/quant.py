@@ -275,6 +275,24 @@ W8A8_BACKEND = "mosaic_gpu"  # tests set "interpret" to drive this path through 
 ACT_QUANT_BACKEND: str | None = None
 
 
+def _fake_quantize_input(x: jax.Array, w: QuantizedArray) -> jax.Array:
+    """`_prepare_input` for matmul's paths below W8A8_MIN_ROWS: where the act_quant kernel runs (a GPU, or the
+    interpreter in tests), pre-scale, quantise and dequantise in its one pass and launch (XLA's quantiser takes
+    a row-max pass, the divide-and-round pass and the dequantise pass behind a barrier: three launches a matmul,
+    in every layer of a decode step); elsewhere the plain jnp passes. Same rule, so the same numbers (the kernel's
+    codes may differ from XLA's only at rounding boundaries, as the W8A8 prefill path's do). One device only, as
+    the GEMV: a row's max runs over all of K, which a tensor-parallel layout may split."""
+    from pallas_kernels.backend import device_supports
+
+    quantiser = ACT_QUANT_BACKEND or ("interpret" if W8A8_BACKEND == "interpret" else None)
+    quantiser = quantiser or ("triton" if device_supports("triton") and jax.device_count() == 1 else "xla")
+    if not w.act_fmt or quantiser == "xla" or x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return _prepare_input(x, w)
+    from pallas_kernels.act_quant import fake_quantize
+
+    return fake_quantize(x, w.act_fmt, w.act_scale, w.pre_scale, backend=quantiser)
+
+
 def use_w8a8_kernel(w: QuantizedArray, rows: int, x_dtype, out_dtype) -> bool:
     """Whether matmul takes the W8A8 kernel for x [rows, K] @ w."""
     if not w.act_fmt or w.fmt != w.act_fmt or w.group_size or w.values.ndim != 2 or rows < W8A8_MIN_ROWS:
@@ -331,7 +349,7 @@ def matmul(x: jax.Array, w: QuantizedArray | jax.Array, out_dtype=None) -> jax.A
     if isinstance(w, QuantizedArray) and use_w8a8_kernel(w, rows, x.dtype, out_dtype):
         return _w8a8_kernel_matmul(x, w, out_dtype)
     if isinstance(w, QuantizedArray) and (w.pre_scale is not None or w.act_fmt):
-        x = _prepare_input(x, w)
+        x = _fake_quantize_input(x, w)
         w = dataclasses.replace(w, pre_scale=None, act_fmt="", act_scale=None)
     if use_gemv(w, rows, x.dtype):
         return _gemv_matmul(x, w, out_dtype)

@@ -25,6 +25,10 @@ reference may rewrite the divide (x / scale as the rule: 2 of 58.7M codes differ
 8; x * (1 / scale) in both, tried in session 9: 2,436 of 16.8M int8 codes at 4096 x 4096, so the divide stays);
 the GPU test allows a different code only where x / scale lies within 2^-18 of a boundary.
 
+`fake_quantize` is the same pass writing codes * scale in x's dtype instead (the codes' dequantised values, one
+output, one launch): a W8A8 weight's decode-sized calls feed it to the bf16 streaming kernels (model/quant.py),
+where XLA took a row-max pass, a divide-and-round pass and a dequantise pass behind a barrier.
+
 Backends: "triton" (GPU), "interpret" (the Pallas interpreter, CPU tests), "xla" (`reference`).
 """
 
@@ -107,16 +111,17 @@ def _chunk(k: int) -> int:
     return chunk if chunk >= 64 else _next_pow2(k)
 
 
-def _kernel(x_ref, *refs, fmt: str, bm: int, has_pre: bool, static: bool, exact_div: bool):
+def _kernel(x_ref, *refs, fmt: str, bm: int, has_pre: bool, static: bool, exact_div: bool, dequantize: bool):
     # x_ref:   [M, K] bf16 / f16 / f32
     # pre_ref: [K] f32 per-input-channel factor (SmoothQuant), when has_pre
     # act_ref: [1] f32 static per-tensor scale, when static
     # q_ref:   [M, K] int8 codes, or uint8 bits of e4m3 (masked fp8 stores are not lowered: bytes are)
     # s_ref:   [M] f32 per-row scale
+    # dequantize: one output [M, K] in x's dtype, codes * scale (fake quantisation), in place of q_ref and s_ref
     rest = list(refs)
     pre_ref = rest.pop(0) if has_pre else None
     act_ref = rest.pop(0) if static else None
-    q_ref, s_ref = rest
+    q_ref, s_ref = (rest[0], None) if dequantize else rest
     m, k = x_ref.shape
     chunk = _chunk(k)
     n_chunks = max(1, k // chunk)
@@ -153,18 +158,24 @@ def _kernel(x_ref, *refs, fmt: str, bm: int, has_pre: bool, static: bool, exact_
     for c, x in enumerate(xs):
         v = _div(x, scale[:, None], exact_div)
         if fmt == "int8":
-            q = _round_half_even(jnp.clip(v, -127.0, 127.0)).astype(jnp.int8)
+            q = _round_half_even(jnp.clip(v, -127.0, 127.0))
+            q = (q * scale[:, None]).astype(q_ref.dtype) if dequantize else q.astype(jnp.int8)
+        elif dequantize:
+            q = (jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale[:, None]).astype(
+                q_ref.dtype
+            )
         else:
             q = lax.bitcast_convert_type(jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn), jnp.uint8)
         cols, mask = block(c)
         pltriton.store(q_ref.at[rows[:, None], cols[None, :]], q, mask=mask)
-    pltriton.store(s_ref.at[rows], scale, mask=None if m % bm == 0 else row_ok)
+    if s_ref is not None:
+        pltriton.store(s_ref.at[rows], scale, mask=None if m % bm == 0 else row_ok)
 
 
 # Layer 2: the pallas_call builder ----------------------------------------------------------------------------------
 
 
-def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, interpret: bool):
+def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, interpret: bool, dequantize: bool = False):
     m, k = x2.shape
     bm = config.block_m(k)
     inputs = [x2]
@@ -179,7 +190,17 @@ def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, inter
         has_pre=pre_scale is not None,
         static=act_scale is not None,
         exact_div=not interpret,  # inline PTX: the interpreter runs no assembly (and divides exactly anyway)
+        dequantize=dequantize,
     )
+    if dequantize:
+        return pl.pallas_call(
+            kernel,
+            grid=(pl.cdiv(m, bm),),
+            out_shape=backend_lib.out_struct((m, k), x2.dtype, [x2]),
+            interpret=interpret,
+            compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+            name=f"fake_quant_{fmt}_bm{bm}_c{_chunk(k)}",
+        )(*inputs)
     code_dtype = jnp.int8 if fmt == "int8" else jnp.uint8
     q, s = pl.pallas_call(
         kernel,
@@ -206,6 +227,45 @@ def _act_quant_jit(x, act_scale, pre_scale, *, fmt, config, interpret):
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], 1)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "config", "interpret"))
+def _fake_quant_jit(x, act_scale, pre_scale, *, fmt, config, interpret):
+    out = _act_quant_call(x.reshape(-1, x.shape[-1]), fmt, act_scale, pre_scale, config, interpret, dequantize=True)
+    return out.reshape(x.shape)
+
+
+def fake_quantize(x, fmt, act_scale=None, pre_scale=None, *, config=None, backend=None):
+    """x [..., K] -> x quantised and back in x's dtype, (codes * scale) of `quantize_activations`, in one pass
+    (one launch, nothing else written): what a W8A8 weight's decode-sized calls feed the bf16 streaming kernels.
+    Arguments and errors as `quantize_activations`; "xla" runs `reference` and dequantises."""
+    backend = _checked_backend(x, fmt, act_scale, pre_scale, backend)
+    if backend == "xla" or x.size == 0:
+        q, scale = reference(x, fmt, act_scale, pre_scale)
+        return (lax.optimization_barrier(q).astype(jnp.float32) * scale).astype(x.dtype)  # codes kept: no elision
+    return _fake_quant_jit(
+        x, act_scale, pre_scale, fmt=fmt, config=config or ActQuantConfig(), interpret=backend == "interpret"
+    )
+
+
+def _checked_backend(x, fmt, act_scale, pre_scale, backend) -> str:
+    """The validation of both entry points; the resolved backend."""
+    if fmt not in DTYPES:
+        raise ValueError(f"act_quant: fmt must be one of {tuple(DTYPES)}, got {fmt!r}")
+    if x.ndim < 1 or x.shape[-1] == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize > 4:
+        raise ValueError(
+            f"act_quant: x must be [..., K] float16 / bfloat16 / float32 with K > 0, got {x.dtype}{x.shape}"
+        )
+    k = x.shape[-1]
+    if pre_scale is not None and pre_scale.size != k:
+        raise ValueError(f"act_quant: pre_scale must have K={k} elements, got shape {pre_scale.shape}")
+    if act_scale is not None and jnp.size(act_scale) != 1:
+        raise ValueError(f"act_quant: act_scale must be one per-tensor scale, got shape {jnp.shape(act_scale)}")
+    if backend == "mosaic_gpu":
+        raise ValueError("act_quant: backend 'mosaic_gpu' is not implemented; use 'triton', 'interpret' or 'xla'")
+    if backend is None:
+        backend = "triton" if backend_lib.device_supports("triton") else "xla"
+    return backend_lib.resolve_backend(backend, KERNEL_NAME)
+
+
 def quantize_activations(
     x: jax.Array,
     fmt: str,
@@ -229,22 +289,7 @@ def quantize_activations(
     Raises:
         ValueError: an unknown fmt or backend, a non-float x, or scales of the wrong size.
     """
-    if fmt not in DTYPES:
-        raise ValueError(f"act_quant: fmt must be one of {tuple(DTYPES)}, got {fmt!r}")
-    if x.ndim < 1 or x.shape[-1] == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize > 4:
-        raise ValueError(
-            f"act_quant: x must be [..., K] float16 / bfloat16 / float32 with K > 0, got {x.dtype}{x.shape}"
-        )
-    k = x.shape[-1]
-    if pre_scale is not None and pre_scale.size != k:
-        raise ValueError(f"act_quant: pre_scale must have K={k} elements, got shape {pre_scale.shape}")
-    if act_scale is not None and jnp.size(act_scale) != 1:
-        raise ValueError(f"act_quant: act_scale must be one per-tensor scale, got shape {jnp.shape(act_scale)}")
-    if backend == "mosaic_gpu":
-        raise ValueError("act_quant: backend 'mosaic_gpu' is not implemented; use 'triton', 'interpret' or 'xla'")
-    if backend is None:
-        backend = "triton" if backend_lib.device_supports("triton") else "xla"
-    backend = backend_lib.resolve_backend(backend, KERNEL_NAME)
+    backend = _checked_backend(x, fmt, act_scale, pre_scale, backend)
     if backend == "xla" or x.size == 0:
         return reference(x, fmt, act_scale, pre_scale)
     return _act_quant_jit(

@@ -56,6 +56,21 @@ class ActQuantBase:
         np.testing.assert_array_equal(np.asarray(s), np.asarray(sr))
         np.testing.assert_array_equal(q32, qr32)
 
+    @pytest.mark.parametrize("fmt,m,k,dtype,pre,static", CASES)
+    def test_fake_quantize_is_codes_times_scales(self, fmt, m, k, dtype, pre, static):
+        """The one-pass quantise-dequantise: codes * scale in x's dtype, the same numbers as quantising with this
+        backend and dequantising in jnp (the all-zero row stays zero)."""
+        x = _x(m, k, dtype, seed=m * k + 1)
+        pre_scale = jnp.linspace(0.5, 2.0, k) if pre else None
+        act_scale = jnp.float32(0.02) if static else None
+        got = aq.fake_quantize(x, fmt, act_scale, pre_scale, backend=self.backend)
+        q, s = aq.quantize_activations(x, fmt, act_scale, pre_scale, backend=self.backend)
+        want = (np.asarray(q, np.float32) * np.asarray(s)).astype(dtype)
+        assert got.dtype == dtype and got.shape == (m, k)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        if not static:
+            assert not np.asarray(got, np.float32)[min(1, m - 1)].any()
+
     def test_leading_axes_and_ties(self):
         # scale 1 (row max 127): x.5 ties round to even as jnp.round does, and 127.4 stays inside the clip.
         row = jnp.asarray([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 126.5, -127.0, 127.0, 0.49999997], jnp.float32)
@@ -119,9 +134,10 @@ def test_lowers_to_triton_on_cpu(fmt, monkeypatch):
         jax.ShapeDtypeStruct((14336,), jnp.float32),
     )
     for act, pre in ((None, None), (args[1], args[2])):
-        fn = jax.jit(lambda x, a, p: aq._act_quant_call(x, fmt, a, p, aq.ActQuantConfig(), False))  # pylint: disable=protected-access
-        text = fn.trace(args[0], act, pre).lower(lowering_platforms=("cuda",)).as_text()
-        assert "__gpu$xla.gpu.triton" in text and "grid_x = 333" in text
+        for dequantize in (False, True):
+            fn = jax.jit(lambda x, a, p, d=dequantize: aq._act_quant_call(x, fmt, a, p, aq.ActQuantConfig(), False, d))  # pylint: disable=protected-access
+            text = fn.trace(args[0], act, pre).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text and "grid_x = 333" in text
 
 
 @pytest.mark.parametrize(
@@ -135,8 +151,21 @@ def test_lowers_to_triton_on_cpu(fmt, monkeypatch):
     ],
 )
 def test_bad_inputs_raise(x, fmt, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        aq.quantize_activations(x, fmt, **{"backend": "interpret", **kwargs})
+    for entry in (aq.quantize_activations, aq.fake_quantize):
+        with pytest.raises(ValueError, match=match):
+            entry(x, fmt, **{"backend": "interpret", **kwargs})
+
+
+def test_fake_quantize_xla_matches_the_model_rule():
+    """The "xla" backend is model/quant.py's own rule (pre-scale rounded to x's dtype, quantise, dequantise)."""
+    from model import quant  # noqa: PLC0415
+
+    x = _x(6, 96, jnp.bfloat16, seed=5)
+    pre = jnp.linspace(0.5, 2.0, 96)
+    w = quant.QuantizedArray(jnp.zeros((96, 8), jnp.int8), jnp.ones(8), fmt="int8", pre_scale=pre, act_fmt="int8")
+    for backend in ("xla", "interpret"):
+        got = aq.fake_quantize(x, "int8", None, pre, backend=backend)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(quant._prepare_input(x, w), np.float32))
 
 
 def test_config_validates():

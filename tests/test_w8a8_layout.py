@@ -103,3 +103,22 @@ def test_decode_reads_the_nk_buffer_without_a_copy(monkeypatch):
     assert float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32))) < 1e-2
     odd, _ = _w8a8(96, 40, "w8a8_int8")  # needs padding: no view, the XLA path
     assert quant._nk_stream(odd) is None  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("method", ["w8a8_int8", "w8a8_fp8_rtn"])
+def test_decode_fake_quantises_x_in_one_pass(method, monkeypatch):
+    """Below W8A8_MIN_ROWS, where the act_quant kernel runs (here its interpreter), x is pre-scaled, quantised and
+    dequantised by its one-pass fake_quantize: the same numbers as the jnp passes this CPU takes by default."""
+    from pallas_kernels import act_quant  # noqa: PLC0415
+
+    q, _ = _w8a8(256, 64, method)
+    x = jax.random.normal(jax.random.key(6), (2, 5, 256), jnp.float32).astype(jnp.bfloat16)
+    want = quant.matmul(x, q)
+    calls = []
+    real = act_quant.fake_quantize
+    monkeypatch.setattr(act_quant, "fake_quantize", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
+    assert quant.matmul(x, q) is not None and calls == []  # no kernel backend on this CPU: the jnp passes
+    monkeypatch.setattr(quant, "ACT_QUANT_BACKEND", "interpret")
+    got = quant.matmul(x, q)
+    assert calls == ["interpret"] and got.shape == (2, 5, 64)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
