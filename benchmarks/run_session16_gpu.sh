@@ -11,6 +11,8 @@
 #           blocks (on) and the rule before it (off)
 #   paged   the paged decode kernel's tiles per page dtype (int8, bf16) at batch 256 / 64, context 576 / 1,536
 #           (benchmarks/paged_decode_sweep.py): int8 pages ran at ~2.0 TB/s in the W8A8 throughput step, bf16 ~3.0
+#   fake    the act_quant GPU tests (fake_quantize included), then the W8A8 decode step traced at batch 64 / 256: what
+#           the one-pass fake quantiser of decode-sized W8A8 calls saved against session 16's profile
 #   tests   the GPU tests of the RoPE + KV-write kernel and the GEMV on the final code
 source benchmarks/gpu_call_prelude.sh
 case "$1" in
@@ -47,6 +49,14 @@ blocked)
 paged)
   timeout 280 python3 benchmarks/paged_decode_sweep.py --budget_s 230 --out $OUT/paged_decode_sweep.json 2>&1 \
     | grep "^paged_decode_sweep" | cut -c1-300
+  ;;
+fake)
+  timeout 120 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_act_quant.py tests/test_w8a8_layout.py 2>&1 \
+    | tee "$OUT/act_quant_gpu_tests.log" | tail -4
+  timeout 330 python3 benchmarks/perf17.py --what profile --batches 64,256 --quantization w8a8_fp8_rtn \
+    --kv_cache_dtype int8 --compilation_cache_dir /tmp/jax_cc --trace_dir /tmp/perf17_w8a8 \
+    --out $OUT/perf17_w8a8_fake.jsonl > $OUT/perf17_w8a8_fake.log 2>&1
+  echo "rc=$?"; grep "^perf17 profile batch" $OUT/perf17_w8a8_fake.log | cut -c1-600
   ;;
 tests)
   timeout 150 python3 -m pytest -q -n 8 -m gpu -p no:cacheprovider tests/test_rope_kv_write.py tests/test_gemv.py 2>&1 \
