@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 
@@ -32,26 +31,26 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks.quantized_matmul import copies_for_bytes  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402
 from model import quant  # noqa: E402
+from model import quant_methods as qm  # noqa: E402
+from serving.engine.quantize import quantize_weight  # noqa: E402
 
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # (K, N): fused qkv, o, fused gate|up, down
 FORMATS = ("fp8", "w8a8_fp8")
 PATHS = ("bf16", "engine", "xla_dequant", "stream", "w8a8", "xla_fp8")
-COPY_BYTES = 160 << 20
 
 
 def make_weight(fmt: str, k: int, n: int, seed: int, gpu: bool):
-    """A bf16 weight and its fp8 twin as the engine stores it for `fmt` (see the module docstring)."""
+    """A bf16 weight and its fp8 twin as the engine stores it for `fmt` (see the module docstring): round to
+    nearest (the timing does not depend on how the scales were chosen)."""
     w = jax.random.normal(jax.random.key(seed), (k, n), jnp.float32) * 0.02
-    scale = jnp.max(jnp.abs(w), axis=0) / 448.0
-    values = (w / scale).astype(jnp.float8_e4m3fn)
     if fmt == "fp8":
-        q = quant.QuantizedArray(values, scale, fmt="fp8")
+        q = qm.rtn(w, "fp8")
         q = quant.with_stream_layout(q) if gpu else q
     else:
-        q = quant.to_layout(quant.QuantizedArray(values, scale, fmt="fp8", act_fmt="fp8"), "nk")
-        q = jax.tree.map(jnp.copy, q)  # its own [N, K] buffer, as the loader stores it
+        q = quantize_weight("w8a8_fp8_rtn", w, None)  # stored [N, K], as the loader stores it
     return w.astype(jnp.bfloat16), q
 
 
@@ -108,7 +107,7 @@ def main():
     for fmt in a.formats.split(","):
         for k, n in shapes:
             first = make_weight(fmt, k, n, 0, gpu)
-            copies = 2 if a.smoke else max(2, min(48, math.ceil(COPY_BYTES / first[1].nbytes)))
+            copies = 2 if a.smoke else copies_for_bytes(first[1].nbytes)
             pairs = [first] + [make_weight(fmt, k, n, i, gpu) for i in range(1, copies)]
             for rows in rows_list:
                 x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)

@@ -116,7 +116,12 @@ def xla_calls():
 
 
 def copies_for(w) -> int:
-    return max(2, min(48, math.ceil(COPY_BYTES / nbytes(w))))
+    return copies_for_bytes(nbytes(w))
+
+
+def copies_for_bytes(weight_bytes: int) -> int:
+    """Copies of a weight that one timed call streams: >= COPY_BYTES in all (past the L2), between 2 and 48."""
+    return max(2, min(48, math.ceil(COPY_BYTES / weight_bytes)))
 
 
 def weights_for(fmt_name, k, n, seed=0):
