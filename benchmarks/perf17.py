@@ -116,7 +116,7 @@ CATEGORIES = (
         "matmul",
         ("gemm", "gemv", "nvjet", "cublas", "cutlass", "xmma", "matmul", "qmm_", "w8a8", "splitk", "dot", "mosaic_gpu"),
     ),
-    ("elementwise", ("act_quant",)),  # pallas_kernels/act_quant.py: the W8A8 activation quantiser, one pass over x
+    ("elementwise", ("act_quant", "fake_quant")),  # pallas_kernels/act_quant.py: W8A8 activation (fake) quantiser
     ("copy", ("memcpy", "memset", "copy", "dynamic_update_slice", "dynamic-update-slice", "scatter", "transpose")),
     (
         "elementwise",

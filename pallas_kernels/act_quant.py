@@ -192,27 +192,26 @@ def _act_quant_call(x2, fmt, act_scale, pre_scale, config: ActQuantConfig, inter
         exact_div=not interpret,  # inline PTX: the interpreter runs no assembly (and divides exactly anyway)
         dequantize=dequantize,
     )
-    if dequantize:
-        return pl.pallas_call(
-            kernel,
-            grid=(pl.cdiv(m, bm),),
-            out_shape=backend_lib.out_struct((m, k), x2.dtype, [x2]),
-            interpret=interpret,
-            compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
-            name=f"fake_quant_{fmt}_bm{bm}_c{_chunk(k)}",
-        )(*inputs)
-    code_dtype = jnp.int8 if fmt == "int8" else jnp.uint8
-    q, s = pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(m, bm),),
-        out_shape=(
+    if dequantize:  # one output: the codes' values in x's dtype
+        out_shape, name = backend_lib.out_struct((m, k), x2.dtype, [x2]), "fake_quant"
+    else:
+        code_dtype = jnp.int8 if fmt == "int8" else jnp.uint8
+        out_shape = (
             backend_lib.out_struct((m, k), code_dtype, [x2]),
             backend_lib.out_struct((m,), jnp.float32, [x2]),
-        ),
+        )
+        name = KERNEL_NAME
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, bm),),
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
-        name=f"act_quant_{fmt}_bm{bm}_c{_chunk(k)}",
+        name=f"{name}_{fmt}_bm{bm}_c{_chunk(k)}",
     )(*inputs)
+    if dequantize:
+        return out
+    q, s = out
     if fmt == "fp8":
         q = lax.bitcast_convert_type(q, jnp.float8_e4m3fn)
     return q, s.reshape(m, 1)

@@ -64,6 +64,7 @@ def test_category_names():
         "qmm_int8_m16_n64_k256_s1": "matmul",
         "anonymous_mosaic_gpu_kernel": "matmul",  # the streaming / W8A8 matmuls (Mosaic GPU drops their names)
         "act_quant_fp8_bm4_c4096": "elementwise",
+        "fake_quant_int8_bm1_c2048": "elementwise",
         "MemcpyD2D": "copy",
         "input_scatter_fusion_2": "copy",
         "loop_multiply_fusion": "elementwise",
