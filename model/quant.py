@@ -118,11 +118,11 @@ def to_layout(w: QuantizedArray, layout: str) -> QuantizedArray:
 
 
 def fake_quantize_activations(x: jax.Array, act_fmt: str, act_scale: jax.Array | None) -> jax.Array:
-    """x quantised to int8 / e4m3 and back (per token from its own max unless a static scale is given)."""
-    from pallas_kernels.w8a8_matmul import quantize_activations  # the W8A8 kernel's own quantiser: one rounding rule
+    """x quantised to int8 / e4m3 and back (per token from its own max unless a static scale is given): the jnp
+    passes of pallas_kernels/act_quant.py (the W8A8 kernel's own quantiser: one rounding rule), codes kept."""
+    from pallas_kernels.act_quant import fake_quantize_reference
 
-    q, scale = quantize_activations(x, act_fmt, act_scale)
-    return (codes_barrier(q).astype(jnp.float32) * scale).astype(x.dtype)
+    return fake_quantize_reference(x, act_fmt, act_scale)
 
 
 def codes_barrier(codes: jax.Array) -> jax.Array:
@@ -275,6 +275,12 @@ W8A8_BACKEND = "mosaic_gpu"  # tests set "interpret" to drive this path through 
 ACT_QUANT_BACKEND: str | None = None
 
 
+def _act_quantiser(default: str) -> str:
+    """pallas_kernels/act_quant.py's backend: ACT_QUANT_BACKEND when set, the interpreter under an interpreted
+    W8A8_BACKEND, else `default`."""
+    return ACT_QUANT_BACKEND or ("interpret" if W8A8_BACKEND == "interpret" else default)
+
+
 def _fake_quantize_input(x: jax.Array, w: QuantizedArray) -> jax.Array:
     """`_prepare_input` for matmul's paths below W8A8_MIN_ROWS: where the act_quant kernel runs (a GPU, or the
     interpreter in tests), pre-scale, quantise and dequantise in its one pass and launch (XLA's quantiser takes
@@ -284,8 +290,7 @@ def _fake_quantize_input(x: jax.Array, w: QuantizedArray) -> jax.Array:
     the GEMV: a row's max runs over all of K, which a tensor-parallel layout may split."""
     from pallas_kernels.backend import device_supports
 
-    quantiser = ACT_QUANT_BACKEND or ("interpret" if W8A8_BACKEND == "interpret" else None)
-    quantiser = quantiser or ("triton" if device_supports("triton") and jax.device_count() == 1 else "xla")
+    quantiser = _act_quantiser("triton" if device_supports("triton") and jax.device_count() == 1 else "xla")
     if not w.act_fmt or quantiser == "xla" or x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         return _prepare_input(x, w)
     from pallas_kernels.act_quant import fake_quantize
@@ -311,7 +316,7 @@ def _w8a8_kernel_matmul(x, w: QuantizedArray, out_dtype):
     x2 = x.reshape(-1, x.shape[-1])
     # One pass over x: SmoothQuant's pre_scale (rounded to x's dtype, as _prepare_input does) and the per-token or
     # static quantisation fused in a Pallas kernel (the same numbers as fake_quantize_activations).
-    quantiser = ACT_QUANT_BACKEND or ("interpret" if W8A8_BACKEND == "interpret" else "triton")
+    quantiser = _act_quantiser("triton")
     xq, x_scale = quantize_activations(x2, w.act_fmt, w.act_scale, w.pre_scale, backend=quantiser)
     wq, layout = w.values, w.layout  # 8-bit wgmma reads the weight K-major: quantize_model stores it [N, K] ...
     if layout == "kn" and w.stream is not None and w.stream.wt.shape == w.values.shape[::-1]:

@@ -238,8 +238,7 @@ def fake_quantize(x, fmt, act_scale=None, pre_scale=None, *, config=None, backen
     Arguments and errors as `quantize_activations`; "xla" runs `reference` and dequantises."""
     backend = _checked_backend(x, fmt, act_scale, pre_scale, backend)
     if backend == "xla" or x.size == 0:
-        q, scale = reference(x, fmt, act_scale, pre_scale)
-        return (lax.optimization_barrier(q).astype(jnp.float32) * scale).astype(x.dtype)  # codes kept: no elision
+        return fake_quantize_reference(x, fmt, act_scale, pre_scale)
     return _fake_quant_jit(
         x, act_scale, pre_scale, fmt=fmt, config=config or ActQuantConfig(), interpret=backend == "interpret"
     )
@@ -297,6 +296,14 @@ def quantize_activations(
 
 
 # Layer 4: the reference --------------------------------------------------------------------------------------------
+
+
+def fake_quantize_reference(x, fmt, act_scale=None, pre_scale=None):
+    """`fake_quantize` in plain jnp: `reference`'s codes times its scales in x's dtype. The codes pass a barrier:
+    XLA on a GPU elides an f32 -> e4m3 -> f32 round trip (model/quant.py codes_barrier; model.quant's
+    fake_quantize_activations is this)."""
+    q, scale = reference(x, fmt, act_scale, pre_scale)
+    return (lax.optimization_barrier(q).astype(jnp.float32) * scale).astype(x.dtype)
 
 
 def reference(x, fmt, act_scale=None, pre_scale=None, **_):
