@@ -154,12 +154,14 @@ def convert(
 
 
 def _check_quantize(quantize: str | None, calibration_file: str | None, mesh: str | None) -> None:
-    from serving.config import QUANTIZATIONS
+    from serving.config import CALIBRATED_QUANTIZATIONS, QUANTIZATIONS
 
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise ValueError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")
     if calibration_file is not None and quantize is None:
         raise ValueError("--calibration_file needs --quantize")
+    if calibration_file is not None and quantize not in CALIBRATED_QUANTIZATIONS:
+        raise ValueError(f"--calibration_file is for --quantize {', '.join(CALIBRATED_QUANTIZATIONS)}, not {quantize}")
     if calibration_file is not None and not os.path.isfile(calibration_file):
         raise ValueError(f"--calibration_file {calibration_file!r} is not a file")
     if quantize is not None and mesh is not None:

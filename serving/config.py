@@ -35,6 +35,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "medusa")
 QUANTIZATIONS = ("int8", "fp8", "w8a8_fp8", "w8a8_fp8_rtn", "w8a8_int8", "int4_awq", "int4_gptq", "int4_rtn")
+CALIBRATED_QUANTIZATIONS = ("fp8", "w8a8_fp8", "w8a8_int8", "int4_awq", "int4_gptq")  # the ones calibration_file feeds
 # "gguf": no quantisation at load; a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights stay as stored (int8 / int4 group 32)
 KEEP_GGUF = "gguf"
 QUANTIZATION_CHOICES = (*QUANTIZATIONS, KEEP_GGUF)
@@ -256,8 +257,9 @@ class QuantizationConfig:
                 self.calibration_file,
                 "a path to a text file",
             )
-            _check(self.method not in (None, KEEP_GGUF), "calibration_file", self.calibration_file,
-                   "given with a quantization method done at load")  # fmt: skip
+            _check(self.method in CALIBRATED_QUANTIZATIONS, "calibration_file", self.calibration_file,
+                   f"given with a calibrated quantization ({', '.join(CALIBRATED_QUANTIZATIONS)}), "
+                   f"not {self.method!r}")  # fmt: skip
         if self.stream_layout:
             _check(self.method in STREAM_LAYOUT_METHODS, "quantized_stream_layout", self.stream_layout,
                    f"given with quantization {', '.join(STREAM_LAYOUT_METHODS)}, not {self.method!r}")  # fmt: skip

@@ -68,5 +68,7 @@ def test_convert_quantize_bad_options(float_ckpt, tmp_path):
         convert.convert(src, str(tmp_path / "a"), quantize="nf4")
     with pytest.raises(ValueError, match="--calibration_file needs --quantize"):
         convert.convert(src, str(tmp_path / "b"), calibration_file=src)
+    with pytest.raises(ValueError, match="--calibration_file is for --quantize"):  # int8 has nothing to calibrate
+        convert.convert(src, str(tmp_path / "c"), quantize="int8", calibration_file=src)
     with pytest.raises(ValueError, match="--mesh is not supported yet"):
         convert.convert(src, str(tmp_path / "c"), quantize="int8", mesh="tp=1")

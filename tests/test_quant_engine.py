@@ -229,6 +229,12 @@ def test_kv_cache_dtype_option():
         EngineConfig.from_kwargs(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="calibration_file"):
         EngineConfig.from_kwargs(calibration_file="x.txt")  # without quantization
+    for method in ("int8", "int4_rtn", "w8a8_fp8_rtn"):  # nothing to calibrate: refused, not silently ignored
+        with pytest.raises(ValueError, match="calibration_file.*calibrated quantization"):
+            EngineConfig.from_kwargs(quantization=method, calibration_file="x.txt")
+        with pytest.raises(ValueError, match="calibration_file is for the calibrated methods"):
+            quantize_model(random_model(CFG, jnp.float32), method, None, calibration_file="x.txt")
+    assert EngineConfig.from_kwargs(quantization="int4_awq", calibration_file="x.txt").quantization.calibration_file
 
 
 def _eager_logits(model, tokens):

@@ -38,12 +38,12 @@ from model import layers, quant, transformer
 from model import quant_methods as qm
 from model.kv import NoCache
 from model.quant import QuantizedArray
-from serving.config import QUANTIZATIONS, STREAM_LAYOUT_METHODS
+from serving.config import CALIBRATED_QUANTIZATIONS, QUANTIZATIONS, STREAM_LAYOUT_METHODS
 
 log = logging.getLogger(__name__)
 
 KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-CALIBRATED = frozenset(("fp8", "w8a8_fp8", "w8a8_int8", "int4_awq", "int4_gptq"))
+CALIBRATED = frozenset(CALIBRATED_QUANTIZATIONS)
 CALIBRATION_TOKENS = 512  # most calibration tokens used (sequences of CALIBRATION_SEQ_LEN)
 CALIBRATION_SEQ_LEN = 256
 
@@ -201,6 +201,8 @@ def quantize_model(model, method: str, tokenizer=None, *, calibration_file: str 
     """
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {method!r}")
+    if calibration_file is not None and method not in CALIBRATED:
+        raise ValueError(f"calibration_file is for the calibrated methods ({', '.join(CALIBRATED)}), not {method!r}")
     t0 = time.perf_counter()
     cfg = model.cfg
     if method in CALIBRATED:
