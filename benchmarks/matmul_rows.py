@@ -97,6 +97,9 @@ def main():
     p.add_argument("--budget_s", type=float, default=400.0, help="stop starting cases after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, XLA paths only")
     a = p.parse_args()
+    for flag, given, known in (("--formats", a.formats, FORMATS), ("--paths", a.paths, PATHS)):
+        if unknown := sorted(set(given.split(",")) - set(known)):
+            p.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     gpu = jax.default_backend() == "gpu"
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s] or list(SHAPES)
     if a.smoke:

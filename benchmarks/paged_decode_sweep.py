@@ -69,6 +69,8 @@ def main():
     p.add_argument("--budget_s", type=float, default=200.0, help="stop starting rows after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU: one tiny shape, two configs, the interpreter")
     a = p.parse_args()
+    if unknown := sorted(set(a.page_dtypes.split(",")) - set(PAGE_DTYPES)):
+        p.error(f"--page_dtypes: unknown {', '.join(unknown)}; choose from {', '.join(PAGE_DTYPES)}")
     backend, configs, shapes = "triton", CONFIGS, [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     if a.smoke:
         backend, configs, shapes = "interpret", CONFIGS[:2], [(2, 40)]

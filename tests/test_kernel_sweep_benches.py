@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from benchmarks import matmul_rows, paged_decode_sweep
 
 
@@ -41,3 +43,17 @@ def test_paged_decode_sweep_page_bytes():
     # codes plus one float32 scale per token per head for 1-byte pages; K and V
     assert paged_decode_sweep.page_bytes(2, 10, paged_decode_sweep.PAGE_DTYPES["int8"]) == 2 * 2 * 10 * 8 * (128 + 4)
     assert paged_decode_sweep.page_bytes(2, 10, paged_decode_sweep.PAGE_DTYPES["bf16"]) == 2 * 2 * 10 * 8 * 256
+
+
+@pytest.mark.parametrize(
+    "module,argv",
+    [
+        (matmul_rows, ["--formats", "fp8,nf4"]),
+        (matmul_rows, ["--paths", "engine,cublas"]),
+        (paged_decode_sweep, ["--page_dtypes", "int8,int4"]),
+    ],
+)
+def test_unknown_choices_are_refused(module, argv, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, module, "--smoke", *argv)
+    assert "unknown" in capsys.readouterr().err
