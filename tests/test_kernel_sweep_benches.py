@@ -57,3 +57,11 @@ def test_unknown_choices_are_refused(module, argv, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         _run(monkeypatch, module, "--smoke", *argv)
     assert "unknown" in capsys.readouterr().err
+
+
+def test_pad_sampling_host_smoke(monkeypatch, capsys):
+    from benchmarks import pad_sampling_host  # noqa: PLC0415
+
+    _run(monkeypatch, pad_sampling_host, "--number", "3", "--reps", "1")
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("pad_sampling_host")]
+    assert len(lines) == 4 and all(ln.endswith(" us") for ln in lines)
