@@ -8,19 +8,44 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
-ARCHS = ("llama", "gemma3")
+ARCHS = ("llama", "gemma2", "gemma3")
+ROPE_TYPES = ("llama3", "linear", "longrope", "yarn")
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (rope_type="llama3")."""
+    """RoPE frequency scaling.
+
+    rope_type "llama3" (Llama 3.1+): wavelengths past original / low_freq_factor divided by `factor`, the band to
+    original / high_freq_factor interpolated. "linear": every frequency divided by `factor`. "longrope" (Phi-3,
+    "su" in older configs): frequency i divided by short_factor[i] at positions below
+    original_max_position_embeddings and by long_factor[i] from there on, and cos / sin multiplied by
+    attention_factor (folded into the attention logit scale as attention_factor ** 2, ModelConfig.attn_scale).
+    "yarn" (gpt-oss): YaRN's frequencies (model/mla.py's, shared with DeepSeek) from factor,
+    original_max_position_embeddings, beta_fast / beta_slow and truncate; cos / sin times attention_factor.
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeScaling.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError("longrope RoPE scaling needs short_factor and long_factor of equal, non-zero length")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +80,19 @@ class ModelConfig:
             global (full causal) and the others windowed (Gemma 3: 6); 0 windows every layer (Mistral).
         rope_local_theta: RoPE base of the windowed layers when they differ from the global ones (Gemma 3: 10k
             local, 1M global in `rope_theta`); None: `rope_theta` everywhere.
-        arch: block layout, "llama" (pre-norm, SwiGLU) or "gemma3" (pre + post norms around attention and MLP,
-            GELU-tanh MLP, RMSNorm weights applied as (1 + w), QK-norm, embeddings scaled by sqrt(D)).
+        arch: block layout, "llama" (pre-norm, SwiGLU), "gemma2" (pre + post norms around attention and MLP,
+            GELU-tanh MLP, RMSNorm weights applied as (1 + w), embeddings scaled by sqrt(D)) or "gemma3" (gemma2's
+            layout plus QK-norm).
         query_pre_attn_scalar: attention logits are scaled by query_pre_attn_scalar ** -0.5; None: head_dim.
         final_logit_softcap: logits -> cap * tanh(logits / cap) when set (Gemma 2; None for Gemma 3).
+        qk_norm: RMSNorm over each query / key head before RoPE (Qwen3; always on for "gemma3").
+        attn_logit_softcap: attention scores -> cap * tanh(scores / cap) before the softmax (Gemma 2), or None.
+        attention_sinks: a learned logit per query head joins every softmax denominator (gpt-oss).
+        attention_out_bias: the output projection carries a bias (gpt-oss).
+        moe_routing: "softmax_topk" (top-k of the softmax over all experts) or "topk_softmax" (softmax over the
+            k largest router logits, gpt-oss); model/moe.py.
+        moe_bias: the router and the routed experts carry biases (gpt-oss).
+        swiglu_limit, swiglu_alpha: the experts' clamped SwiGLU (gpt-oss, model/moe.py Activation), or None.
     """
 
     name: str = "custom"
@@ -88,6 +122,14 @@ class ModelConfig:
     arch: str = "llama"
     query_pre_attn_scalar: float | None = None
     final_logit_softcap: float | None = None
+    qk_norm: bool = False
+    attn_logit_softcap: float | None = None
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    moe_routing: str = "softmax_topk"
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self):
         for field in (
@@ -112,6 +154,13 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.arch must be one of {ARCHS}, got {self.arch!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig.sliding_window must be None or >= 1, got {self.sliding_window}")
+        for cap in ("final_logit_softcap", "attn_logit_softcap"):
+            if getattr(self, cap) is not None and getattr(self, cap) <= 0:
+                raise ValueError(f"ModelConfig.{cap} must be None or positive, got {getattr(self, cap)}")
+        if self.moe_routing not in MOE_ROUTINGS:
+            raise ValueError(f"ModelConfig.moe_routing must be one of {MOE_ROUTINGS}, got {self.moe_routing!r}")
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None) or (self.swiglu_limit or 1) <= 0:
+            raise ValueError("ModelConfig.swiglu_limit and swiglu_alpha are set together, the limit positive")
         if self.sliding_window_pattern < 0:
             raise ValueError(f"ModelConfig.sliding_window_pattern must be >= 0, got {self.sliding_window_pattern}")
 
@@ -137,9 +186,24 @@ class ModelConfig:
             return self.rope_local_theta
         return self.rope_theta
 
+    def layer_rope_scaling(self, layer: int) -> RopeScaling | None:
+        """RoPE scaling of `layer`: with a separate local base (Gemma 3) only the global layers are scaled."""
+        local = self.rope_local_theta is not None and self.layer_window(layer) is not None
+        return None if local else self.rope_scaling
+
     @property
     def is_gemma(self) -> bool:
-        return self.arch == "gemma3"
+        """Gemma 2 / 3 block layout: post-branch norms, (1 + w) RMSNorm, GELU-tanh, embeddings scaled by sqrt(D)."""
+        return self.arch in ("gemma2", "gemma3")
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.qk_norm or self.arch == "gemma3"
+
+    @property
+    def long_rope(self) -> bool:
+        """Positions from rope_scaling.original_max_position_embeddings on use other frequencies (longrope)."""
+        return self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope"
 
     @property
     def mlp_activation(self) -> str:
@@ -152,7 +216,9 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        scaled = self.long_rope or (self.rope_scaling is not None and self.rope_scaling.rope_type == "yarn")
+        rope_mscale = self.rope_scaling.attention_factor if scaled else 1.0  # on both q and k
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * rope_mscale**2
 
     def _validate_moe(self):
         moe = ("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
@@ -200,7 +266,7 @@ class ModelConfig:
         d = self.hidden_size
         experts = self.num_experts_per_tok if active else self.num_experts
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
-        norms = 4 * d + 2 * self.head_dim if self.arch == "gemma3" else 2 * d
+        norms = (4 * d if self.is_gemma else 2 * d) + (2 * self.head_dim if self.has_qk_norm else 0)
         per_layer = attn + self._mlp_params(experts) + norms
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
@@ -215,7 +281,9 @@ class ModelConfig:
     def from_json(cls, text: str) -> ModelConfig:
         data: dict[str, Any] = json.loads(text)
         if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            rope = data["rope_scaling"]
+            factors = {k: tuple(rope.get(k, ())) for k in ("short_factor", "long_factor")}
+            data["rope_scaling"] = RopeScaling(**{**rope, **factors})
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
         return cls(**data)
 
@@ -372,6 +440,45 @@ class ModelConfig:
         return cls.tiny(**{**moe, **changes})
 
     @classmethod
+    def gpt_oss_20b(cls) -> ModelConfig:
+        """gpt-oss-20b's shape (openai/gpt-oss-20b config.json): 24 layers alternating window 128 / full, 64 query
+        heads over 8 KV heads with sinks, 32 experts top-4 of width 2880 with biases, YaRN x32 over 4096."""
+        yarn = RopeScaling(
+            rope_type="yarn",
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            truncate=False,
+            attention_factor=0.1 * math.log(32.0) + 1.0,
+        )
+        return cls(
+            name="gpt_oss_20b",
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_layers=24,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=64,
+            rope_theta=150000.0,
+            rope_scaling=yarn,
+            max_position_embeddings=131072,
+            attention_bias=True,
+            bos_token_id=199998,
+            eos_token_ids=(200002, 199999, 200012),
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=2880,
+            sliding_window=128,
+            sliding_window_pattern=2,
+            attention_sinks=True,
+            attention_out_bias=True,
+            moe_routing="topk_softmax",
+            moe_bias=True,
+            swiglu_limit=7.0,
+            swiglu_alpha=1.702,
+        )
+
+    @classmethod
     def preset(cls, name: str) -> ModelConfig:
         presets = {
             "smollm2_135m": cls.smollm2_135m,
@@ -380,6 +487,7 @@ class ModelConfig:
             "llama3_70b": cls.llama3_70b,
             "mixtral_8x7b": cls.mixtral_8x7b,
             "qwen_moe": cls.qwen_moe,
+            "gpt_oss_20b": cls.gpt_oss_20b,
             "tiny": cls.tiny,
             "tiny_moe": cls.tiny_moe,
         }

@@ -9,7 +9,9 @@ those is a small pytree dataclass with one method,
 
 so the metadata travels through `jax.jit` as an ordinary argument. `window` is the layer's sliding window (a
 query at position p sees keys in (p - window, p]; None: all of 0..p) and `sm_scale` its logit scale (None:
-1/sqrt(hd)); both are static per layer.
+1/sqrt(hd)); both are static per layer, as is the optional `logit_softcap` (Gemma 2: scaled scores s become
+cap * tanh(s / cap) before the softmax). `sinks` [Hq] (gpt-oss), when given, adds one learned logit per query
+head to every softmax denominator (pallas_kernels/paged_common.py); it is an array, so it is traced.
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 
 NEG_INF = -1e30
-# The paged path's RoPE + KV write as one kernel where PagedMeta.fuses_rope allows (off: the unfused XLA ops, for
-# A/B runs such as benchmarks/decode_llama.py --fused_rope off).
-FUSE_ROPE_KV_WRITE = True
 
 
 def masked_attention(
-    q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array, sm_scale: float | None = None
+    q_bthd: jax.Array,
+    k_bshd: jax.Array,
+    v_bshd: jax.Array,
+    mask_bts: jax.Array,
+    sm_scale: float | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Plain GQA attention with an explicit boolean mask (True = may attend); float32 softmax.
+    """Plain GQA attention with an explicit boolean mask (True = may attend); float32 softmax, with the
+    attention-sink logits `sinks` [Hq] in each denominator when given.
 
     Rows whose mask is all False return zeros.
     """
@@ -49,10 +55,17 @@ def masked_attention(
         )
         * scale
     )
+    if logit_softcap is not None:
+        s = logit_softcap * jnp.tanh(s / logit_softcap)
     s = jnp.where(mask_bts[:, None, None], s, NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:  # [Hq] -> [Hkv, G, 1, 1], against s [B, Hkv, G, T, S]
+        sink = sinks.astype(jnp.float32).reshape(hkv, hq // hkv, 1, 1)
+        m = jnp.maximum(m, sink)
     p = jnp.where(mask_bts[:, None, None], jnp.exp(s - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - m)
     p = p / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("bkgts,bskd->btkgd", p, v_bshd.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return out.reshape(b, t, hq, hd).astype(q_bthd.dtype)
@@ -65,13 +78,13 @@ class NoCache:
 
     valid_len: jax.Array  # [B]
 
-    def attend(self, q, k, v, positions, cache: Any, *, window=None, sm_scale=None):
+    def attend(self, q, k, v, positions, cache: Any, *, window=None, sm_scale=None, logit_softcap=None, sinks=None):
         t = q.shape[1]
         idx = jnp.arange(t)
         mask = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] < self.valid_len[:, None, None])
         if window is not None:
             mask &= idx[None, None, :] > idx[None, :, None] - window
-        return masked_attention(q, k, v, mask, sm_scale), cache
+        return masked_attention(q, k, v, mask, sm_scale, logit_softcap, sinks), cache
 
 
 @jax.tree_util.register_dataclass
@@ -84,7 +97,7 @@ class ContiguousMeta:
     overwritten by the row's real decode tokens before any query can see it.
     """
 
-    def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None):
+    def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None, logit_softcap=None, sinks=None):
         k_cache, v_cache = cache
         start = positions[:, 0]
         write = jax.vmap(lambda c, new, s: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), s, axis=0))
@@ -94,7 +107,7 @@ class ContiguousMeta:
         mask = keys[None, None, :] <= positions[:, :, None]
         if window is not None:
             mask &= keys[None, None, :] > positions[:, :, None] - window
-        return masked_attention(q, k_cache, v_cache, mask, sm_scale), (k_cache, v_cache)
+        return masked_attention(q, k_cache, v_cache, mask, sm_scale, logit_softcap, sinks), (k_cache, v_cache)
 
 
 def init_contiguous_cache(
@@ -129,51 +142,53 @@ class PagedMeta:
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
     backend: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))  # jax.sharding.Mesh or None
+    # RoPE + KV write as one kernel where `fuses_rope` allows; False: the unfused XLA ops (A/B comparisons)
+    fuse_rope: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
-    def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None):
+    def attend(self, q, k, v, positions, cache, *, window=None, sm_scale=None, logit_softcap=None, sinks=None):
         # cache: (k_pages, v_pages) float pages, or (k_pages, v_pages, k_scales, v_scales) quantised pages.
         k_pages = cache[0]
-        attn = dict(window=window, sm_scale=sm_scale)
+        attn = dict(window=window, sm_scale=sm_scale, logit_softcap=logit_softcap)
         repeat = k_pages.shape[0] // k.shape[2]  # > 1: KV heads repeated to the tensor-parallel degree
         if repeat > 1:
             k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         # A Mesh, or the AbstractMesh of a pipeline stage (model/pipeline.py): both give their axis sizes in .shape.
         tp = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
         if tp == 1 or q.shape[2] % tp or k_pages.shape[0] % tp:
-            out, *cache = self._write_attend(q[0], k[0], v[0], *cache, **attn)
+            out, *cache = self._write_attend(q[0], k[0], v[0], *cache, sinks=sinks, **attn)
             return out[None], tuple(cache)
         from jax.sharding import PartitionSpec as P
 
         heads, rep = P(None, "tensor", None), P()
         specs = tuple(P("tensor", *([None] * (a.ndim - 1))) for a in cache)  # pages 4-D, scales 3-D
-        fn = jax.shard_map(
-            lambda meta, *a: meta._write_attend(*a, **attn),
+        fn = jax.shard_map(  # sinks [Hq] split with the query heads
+            lambda meta, sinks, *a: meta._write_attend(*a, sinks=sinks, **attn),
             mesh=self.mesh,
-            in_specs=(rep, heads, heads, heads, *specs),
+            in_specs=(rep, rep if sinks is None else P("tensor"), heads, heads, heads, *specs),
             out_specs=(heads, *specs),
             check_vma=False,
         )
-        out, *cache = fn(self, q[0], k[0], v[0], *cache)
+        out, *cache = fn(self, sinks, q[0], k[0], v[0], *cache)
         return out[None], tuple(cache)
 
     def fuses_rope(self, cache: Any, num_kv_heads: int) -> bool:
         """Whether this step's RoPE and KV write run as one kernel (`rope_attend`): on a GPU (the kernel backends),
         for float or int8 pages (fp8 K is stored rotated: rotate_for_kv) of the model's own KV heads on
-        one device, with hd / 2 a power of two, unless FUSE_ROPE_KV_WRITE is off."""
+        one device, with hd / 2 a power of two, unless the `fuse_rope` option is off."""
         from pallas_kernels import rope_kv_write
         from pallas_kernels.backend import resolve_backend
 
         k_pages = cache[0]
         tp = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
         return (
-            FUSE_ROPE_KV_WRITE
+            self.fuse_rope
             and tp == 1
             and k_pages.shape[0] == num_kv_heads
             and rope_kv_write.kernel_supports(k_pages.dtype, k_pages.shape[-1])
             and resolve_backend(self.backend, "rope_kv_write") != "xla"
         )
 
-    def rope_attend(self, qkv, positions, inv_freq, cache, *, num_q_heads, window=None, sm_scale=None):
+    def rope_attend(self, qkv, positions, inv_freq, cache, *, num_q_heads, window=None, sm_scale=None, sinks=None):
         """`attend` for q | k | v still unrotated: qkv [1, T, (Hq + 2 Hkv) * hd] -> (out [1, T, Hq, hd], cache).
         One kernel rotates q and k and writes K / V (quantised for int8 pages) into their slots; then the same
         attention kernels as `attend`. Only where `fuses_rope` says so."""
@@ -182,10 +197,23 @@ class PagedMeta:
         q, *cache = rope_kv_write(
             qkv[0], positions[0], self.slot_mapping, inv_freq, *cache, num_q_heads=num_q_heads, backend=self.backend
         )
-        out = self._attend(q, *cache, window=window, sm_scale=sm_scale)
+        out = self._attend(q, *cache, window=window, sm_scale=sm_scale, sinks=sinks)
         return out[None], tuple(cache)
 
-    def _write_attend(self, q, k, v, k_pages, v_pages, k_scales=None, v_scales=None, window=None, sm_scale=None):
+    def _write_attend(
+        self,
+        q,
+        k,
+        v,
+        k_pages,
+        v_pages,
+        k_scales=None,
+        v_scales=None,
+        window=None,
+        sm_scale=None,
+        logit_softcap=None,
+        sinks=None,
+    ):
         """KV write then the kernel on one device's heads: q [T, Hq, hd], k/v [T, Hkv, hd] -> (out, *cache)."""
         quantised = k_scales is not None
         if quantised:
@@ -196,15 +224,31 @@ class PagedMeta:
             v_scales = write_scales(v_scales, v_new_scales, self.slot_mapping)
         k_pages = write_pages(k_pages, k, self.slot_mapping)
         v_pages = write_pages(v_pages, v, self.slot_mapping)
-        out = self._attend(q, k_pages, v_pages, k_scales, v_scales, window=window, sm_scale=sm_scale)
+        attn = dict(window=window, sm_scale=sm_scale, logit_softcap=logit_softcap, sinks=sinks)
+        out = self._attend(q, k_pages, v_pages, k_scales, v_scales, **attn)
         return (out, k_pages, v_pages, k_scales, v_scales) if quantised else (out, k_pages, v_pages)
 
-    def _attend(self, q, k_pages, v_pages, k_scales=None, v_scales=None, window=None, sm_scale=None):
+    def _attend(
+        self,
+        q,
+        k_pages,
+        v_pages,
+        k_scales=None,
+        v_scales=None,
+        window=None,
+        sm_scale=None,
+        logit_softcap=None,
+        sinks=None,
+    ):
         """The attention kernel over pages already written: the paged decode kernel or the ragged one."""
         from pallas_kernels.paged_attention import paged_attention
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-        attn_args = dict(window=window, sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales)
+        attn_args = dict(
+            window=window, sm_scale=sm_scale, logit_softcap=logit_softcap, k_scales=k_scales, v_scales=v_scales
+        )
+        if sinks is not None:  # (only then: kernels without the option keep their exact call)
+            attn_args["sinks"] = sinks
         if self.decode_only:
             return paged_attention(
                 q, k_pages, v_pages, self.block_tables, self.kv_lens, backend=self.backend, **attn_args

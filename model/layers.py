@@ -19,6 +19,7 @@ from flax import nnx
 from model.config import ModelConfig, RopeScaling
 from model.fused import group_parts, unfuse_output
 from model.quant import matmul
+from model.quant_fused import fuses_input, rms_norm_matmul, swiglu_matmul
 
 
 def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs | None, scale: float | None) -> nnx.Param:
@@ -44,12 +45,31 @@ class RMSNorm(nnx.Module):
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
+    def matmul(self, x: jax.Array, w, residual: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(matmul(self(h), w), h) with h = x + residual (x without one): the residual add, this norm and the next
+        projection through model/quant_fused.py's door, one kernel before the matmul for a W8A8 weight."""
+        y, h = rms_norm_matmul(x, self.weight[...], self.eps, w, residual=residual, offset=self.offset)
+        return y, (x if h is None else h)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-    """Inverse frequencies [head_dim // 2], with Llama-3 long-context scaling when configured."""
+    """Inverse frequencies [head_dim // 2] under `scaling` (model/config.py RopeScaling); longrope gives
+    [2, head_dim // 2]: the short factors' row, then the long factors' (apply_rope picks per position)."""
     inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv
+    if scaling.rope_type == "linear":
+        return inv / scaling.factor
+    if scaling.rope_type == "yarn":  # (model/mla.py's YaRN for DeepSeek shares this ramp)
+        args = (scaling.factor, scaling.original_max_position_embeddings, scaling.beta_fast, scaling.beta_slow)
+        return yarn_inv_freq(inv, head_dim, theta, *args, scaling.truncate)
+    if scaling.rope_type == "longrope":
+        if len(scaling.short_factor) != head_dim // 2:
+            raise ValueError(
+                f"longrope factors have {len(scaling.short_factor)} entries; head_dim / 2 is {head_dim // 2}"
+            )
+        factors = jnp.asarray([scaling.short_factor, scaling.long_factor], jnp.float32)
+        return inv[None, :] / factors
     # Llama 3.1: wavelengths longer than old_len / low_freq_factor are divided by `factor`, shorter than
     # old_len / high_freq_factor are kept, and the band between is interpolated smoothly.
     old_len = scaling.original_max_position_embeddings
@@ -61,9 +81,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> j
     return jnp.where(wavelen > low_wavelen, inv / scaling.factor, jnp.where(wavelen < high_wavelen, inv, interpolated))
 
 
-def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF / NeoX layout) on x [B, T, H, hd] at integer positions [B, T]."""
-    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+def yarn_inv_freq(
+    inv: jax.Array,
+    dim: int,
+    base: float,
+    factor: float,
+    original: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+) -> jax.Array:
+    """YaRN's frequencies, as transformers computes them: plain RoPE inverse frequencies `inv` [dim / 2] of base
+    `base` kept for the dims that rotate more than beta_fast times over the `original` context, divided by `factor`
+    for those under beta_slow rotations, and a linear ramp between (its ends rounded out when `truncate`)."""
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: divide it by the factor
+    return (inv / factor) * (1 - extrapolate) + inv * extrapolate
+
+
+def apply_rope(x_bthd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array, long_from: int | None = None):
+    """Rotate-half RoPE (HF / NeoX layout) on x [B, T, H, hd] at integer positions [B, T].
+
+    inv_freq is [hd/2], or [2, hd/2] (longrope: row 1 from position `long_from` on, row 0 before it).
+    """
+    pos = positions_bt.astype(jnp.float32)[..., None]
+    if inv_freq.ndim == 2:
+        angles = jnp.where(positions_bt[..., None] >= long_from, pos * inv_freq[1], pos * inv_freq[0])
+    else:
+        angles = pos * inv_freq  # [B, T, hd/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
     x = x_bthd.astype(jnp.float32)
@@ -89,8 +143,14 @@ class GatedMLP(nnx.Module):
         self.w_down = _param((f, d), dtype, rngs, f**-0.5)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return self.from_gate_up(matmul(x, self.w_gate_up.get_value()))  # one matmul for both halves
+
+    def from_gate_up(self, h: jax.Array) -> jax.Array:
+        """The MLP after its input projection: h = x @ [gate | up] -> down(act(gate) * up)."""
         act = ACTIVATIONS[self.activation]
-        h = matmul(x, self.w_gate_up.get_value())  # one matmul for both halves
+        w_down = self.w_down.get_value()
+        if self.gate_up_shards == 1 and fuses_input(w_down):  # W8A8: quantise act(gate) * up as it is made
+            return swiglu_matmul(h, w_down, self.activation)
         gate, up = unfuse_output(h, group_parts(self.cfg, "gate_up"), self.gate_up_shards)
         return matmul(act(gate) * up, self.w_down.get_value())
 

@@ -11,9 +11,32 @@ Data flow for x [T, D] (any leading dims are flattened), E experts, top-k, exper
     combine    y_s un-sorted back to [T, k, D], weighted by w and summed over k
     shared     (Qwen-MoE) + sigmoid(x @ w_shared_gate [D, 1]) * SwiGLU_shared(x)
 
+Options (ModelConfig fields), as gpt-oss uses them:
+    moe_routing "topk_softmax"   top-k of the router logits first, then the softmax over those k (the default,
+                                 "softmax_topk", takes the top-k of the softmax over all E)
+    moe_bias                     the router (b_router [E]) and the experts (b_gate_up [E, 2F], b_down [E, D])
+                                 carry biases, added to each row by its expert after the grouped matmuls
+    swiglu_limit / swiglu_alpha  clamped SwiGLU: gate <= limit, -limit <= up <= limit,
+                                 act = (up + 1) * gate * sigmoid(alpha * gate)
+
 Dropless: every assignment is computed (no capacity factor), so the grouped matmul sees ragged group sizes.
-Expert weights go through `expert_matmul`, the grouped counterpart of `model.quant.matmul` (the one place a
-quantised expert format will be added; plain arrays today).
+Expert weights go through `expert_matmul`, the grouped counterpart of `model.quant.matmul`: plain arrays take the
+Mosaic GPU grouped matmul (pallas_kernels/grouped_matmul.py, bf16 / f16 only) where it runs, else XLA's
+`ragged_dot`. Quantised experts (one QuantizedArray of all E experts, every leaf leading with E: model/quant.py;
+made by model/quantize_model.py `quantize_experts`) always take `ragged_dot`, which has no dequantising kernel:
+
+    int8, fp8 per output channel   ragged_dot(x, codes.astype(x.dtype)) [M, N] in float32, then each row times
+                                   its expert's channel scales (scales [E, N] gathered by the row's expert id):
+                                   the codes are exact in bf16 / f16 / f32, the scale is constant along K so it
+                                   factors out of the sum, and the convert is an elementwise producer of the
+                                   dot's operand that XLA may fuse into it (not yet checked on a GPU); no
+                                   dequantised (scaled) copy of the experts is ever made
+    int4 (groups along K), grouped int8 (GGUF Q8_0)   the scales vary along K and cannot factor out: the experts
+                                   are dequantised to x's dtype (`QuantizedArray.dequantize`), then ragged_dot;
+                                   at worst one transient copy in x's dtype per call
+
+Quantised experts are weight-only: a QuantizedArray with a pre_scale or an activation format (AWQ, SmoothQuant,
+W8A8) is refused here; quantize_model gives experts the weight-only form of such methods.
 
 Expert parallelism (`mesh` given and sharding/rules.py splitting E over its expert/tensor axes, n shards): the
 router runs replicated (the statistics need every token's routing), then inside `jax.shard_map` over those axes
@@ -33,6 +56,7 @@ partial sums the all-reduce of a psum-based expert split would.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -59,10 +83,11 @@ def expert_matmul(x: jax.Array, w, group_sizes: jax.Array, backend: str | None =
     """The door for expert weights: x [M, K] (rows sorted by expert) @ w[e] [E, K, N] -> [M, N] in x's dtype.
 
     `backend` None picks the Mosaic GPU grouped matmul where it runs (Hopper, bf16/f16, tile-aligned K and N)
-    and `jax.lax.ragged_dot` otherwise; any `grouped_matmul` backend name forces that one.
+    and `jax.lax.ragged_dot` otherwise; any `grouped_matmul` backend name forces that one. A QuantizedArray `w`
+    takes `quantized_expert_matmul` (XLA's ragged_dot, whatever `backend`: the kernel reads bf16 / f16 only).
     """
     if isinstance(w, QuantizedArray):
-        raise ValueError("expert_matmul: quantised expert weights are not supported yet; pass a plain array")
+        return quantized_expert_matmul(x, w, group_sizes)
     w = w.astype(x.dtype)
     if backend is None:
         fits = gm.supports(x.dtype, w.shape[1], w.shape[2]) and backend_lib.device_supports("mosaic_gpu")
@@ -70,8 +95,42 @@ def expert_matmul(x: jax.Array, w, group_sizes: jax.Array, backend: str | None =
     return gm.grouped_matmul(x, w, group_sizes, backend=backend)
 
 
-def route(logits_te: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Top-k routing: (weights [T, k] float32, experts [T, k] int32) from router logits [T, E]."""
+def row_experts(group_sizes: jax.Array, m: int) -> jax.Array:
+    """The expert id [M] int32 of each of M rows sorted by expert (group_sizes [E]); rows past their sum get E."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # [E] one past each expert's last row
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K] @ w[e] [E, K, N] -> [M, N] float32 (rows past sum(group_sizes) are 0)."""
+    gs = group_sizes.astype(jnp.int32)
+    return jax.lax.ragged_dot(x, w, gs, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def quantized_expert_matmul(x: jax.Array, w: QuantizedArray, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K] (rows sorted by expert) @ dequantize(w)[e] [E, K, N] -> [M, N] in x's dtype, float32 accumulation;
+    the path per format is the module docstring's (per-channel scales applied to the rows after the dot)."""
+    if w.values.ndim != 3 or w.layout != "kn" or w.act_fmt or w.pre_scale is not None:
+        raise ValueError(
+            f"expert_matmul: quantised experts are weight-only [E, K, N] in layout 'kn', got values "
+            f"{w.values.shape} layout={w.layout!r} act_fmt={w.act_fmt!r} pre_scale={w.pre_scale is not None}"
+        )
+    if w.fmt in ("int8", "fp8") and not w.group_size:
+        y_mn = _ragged_dot(x, w.values.astype(x.dtype), group_sizes)  # codes: exact in x's dtype
+        scales_en = w.scales.astype(jnp.float32).reshape(w.scales.shape[0], -1)  # [E, N], or [E, 1] per tensor
+        rows = row_experts(group_sizes, x.shape[0])  # [M]; E past the groups: scale 0, as the rows are
+        return (y_mn * jnp.take(scales_en, rows, axis=0, mode="fill", fill_value=0)).astype(x.dtype)
+    return _ragged_dot(x, w.dequantize(x.dtype), group_sizes).astype(x.dtype)
+
+
+def route(
+    logits_te: jax.Array, k: int, renormalize: bool, routing: str = "softmax_topk"
+) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing: (weights [T, k] float32, experts [T, k] int32) from router logits [T, E]; `routing`
+    "topk_softmax" (gpt-oss) takes the softmax over the k largest logits instead (its weights sum to 1)."""
+    if routing == "topk_softmax":
+        top, experts = jax.lax.top_k(logits_te.astype(jnp.float32), k)
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
     probs = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, k)
     if renormalize:
@@ -87,6 +146,7 @@ class MoEMLP(nnx.Module):
         w_gate_up: [E, D, 2F] routed experts' gate (columns :F) and up (F:) projections, fused.
         w_down: [E, F, D] routed experts' down projections.
         shared_*: the shared expert (SwiGLU of width Fs) and its sigmoid gate [D, 1], when configured.
+        b_router, b_gate_up, b_down: [E], [E, 2F], [E, D] biases, when cfg.moe_bias (gpt-oss).
     """
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, backend: str | None = None):
@@ -98,6 +158,12 @@ class MoEMLP(nnx.Module):
         self.w_router = _param((d, e), dtype, rngs, d)
         self.w_gate_up = _param((e, d, 2 * f), dtype, rngs, d)
         self.w_down = _param((e, f, d), dtype, rngs, f)
+        self.routing = cfg.moe_routing
+        self.act = Activation(cfg.swiglu_limit, cfg.swiglu_alpha)
+        if cfg.moe_bias:
+            self.b_router = nnx.Param(jnp.zeros((e,), dtype))
+            self.b_gate_up = nnx.Param(jnp.zeros((e, 2 * f), dtype))
+            self.b_down = nnx.Param(jnp.zeros((e, d), dtype))
         fs = cfg.shared_expert_intermediate_size
         self.has_shared = fs > 0
         if self.has_shared:
@@ -118,7 +184,9 @@ class MoEMLP(nnx.Module):
         lead, d = x.shape[:-1], x.shape[-1]
         x_td = x.reshape(-1, d)
         logits_te = matmul(x_td, self.w_router.get_value(), out_dtype=jnp.float32)
-        weights_tk, experts_tk = route(logits_te, self.top_k, self.renormalize)
+        if self.biases is not None:
+            logits_te = logits_te + self.b_router[...].astype(jnp.float32)
+        weights_tk, experts_tk = route(logits_te, self.top_k, self.renormalize, self.routing)
         axes = self._expert_axes(mesh)
         if axes:
             y_td = self._experts_sharded(x_td, weights_tk, experts_tk, mesh, axes)
@@ -135,6 +203,11 @@ class MoEMLP(nnx.Module):
             tokens_per_expert = counts.at[experts_tk.reshape(-1)].add(mask_tk.reshape(-1).astype(jnp.int32))
         return y_td.astype(x.dtype).reshape(*lead, d), tokens_per_expert
 
+    @property
+    def biases(self) -> tuple[jax.Array, jax.Array] | None:
+        """(b_gate_up [E, 2F], b_down [E, D]) of gpt-oss-style experts, or None."""
+        return (self.b_gate_up[...], self.b_down[...]) if hasattr(self, "b_gate_up") else None
+
     def _experts(self, x_td, weights_tk, experts_tk):
         """Dropless dispatch -> grouped SwiGLU experts -> weighted combine; also the assignments per expert."""
         t, k = experts_tk.shape
@@ -142,7 +215,8 @@ class MoEMLP(nnx.Module):
         order = jnp.argsort(flat_e, stable=True)  # [T*k] assignments sorted by expert
         group_sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)  # [E]
         rows = jnp.take(x_td, order // k, axis=0)  # [T*k, D]
-        y_sorted = _swiglu_experts(rows, self.w_gate_up.get_value(), self.w_down.get_value(), group_sizes, self.backend)
+        weights = (self.w_gate_up.get_value(), self.w_down.get_value())
+        y_sorted = _swiglu_experts(rows, *weights, group_sizes, self.backend, self.act, self.biases, flat_e[order])
         y_tkd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)  # un-sort
         y_td = jnp.einsum("tkd,tk->td", y_tkd.astype(jnp.float32), weights_tk)
         return y_td, group_sizes
@@ -166,13 +240,14 @@ class MoEMLP(nnx.Module):
             weights_tk = jnp.pad(weights_tk, ((0, t_pad - t), (0, 0)))
             experts_tk = jnp.pad(experts_tk, ((0, t_pad - t), (0, 0)), constant_values=self.num_experts)
         local = functools.partial(
-            _dispatch_compute_combine, axes=axes, n=n, e_local=self.num_experts // n, backend=self.backend
+            _dispatch_compute_combine, axes=axes, n=n, e_local=self.num_experts // n, backend=self.backend, act=self.act
         )
         rep, spec = P(), P(axes if len(axes) > 1 else axes[0])
         # Tokens go in replicated and each device slices its own: split in_specs would let GSPMD push the token
         # split back into attention and the router, with collectives of its own choosing there.
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, spec, spec), out_specs=spec)
-        y_td = fn(x_td, weights_tk, experts_tk, self.w_gate_up.get_value(), self.w_down.get_value())  # [T', D]
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, spec, spec, spec), out_specs=spec)
+        weights = (self.w_gate_up.get_value(), self.w_down.get_value())
+        y_td = fn(x_td, weights_tk, experts_tk, *weights, self.biases)  # [T', D]
         # Replicated again (one all-gather), as the dense MLP's output is: the residual stream is not token-split.
         return jax.lax.with_sharding_constraint(y_td, NamedSharding(mesh, P()))[:t]
 
@@ -183,15 +258,39 @@ class MoEMLP(nnx.Module):
         return jax.nn.sigmoid(matmul(x_td, self.shared_gate.get_value(), out_dtype=jnp.float32)) * y
 
 
-def _swiglu_experts(rows_md, w_gate_up, w_down, group_sizes, backend):
-    """Rows sorted by expert [M, D] -> SwiGLU of each row's expert [M, D]; rows past sum(group_sizes) come out 0."""
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """The experts' gated activation: SwiGLU silu(gate) * up, or with `limit` gpt-oss's clamped variant
+    (up + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) and up clipped to [-limit, limit]."""
+
+    limit: float | None = None
+    alpha: float | None = None
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+        if self.limit is None:
+            return jax.nn.silu(gate) * up
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1.0) * gate * jax.nn.sigmoid(gate * self.alpha)
+
+
+def _swiglu_experts(rows_md, w_gate_up, w_down, group_sizes, backend, act=Activation(), biases=None, row_experts=None):
+    """Rows sorted by expert [M, D] -> SwiGLU of each row's expert [M, D]; rows past sum(group_sizes) come out 0
+    without `biases` ((b_gate_up [E, 2F], b_down [E, D]), added per row by `row_experts` [M]; ids >= E add 0)."""
     h = expert_matmul(rows_md, w_gate_up, group_sizes, backend)  # [M, 2F]
+    if biases is not None:
+        h = h + jnp.take(biases[0], row_experts, axis=0, mode="fill", fill_value=0).astype(h.dtype)
     gate, up = jnp.split(h, 2, axis=-1)
-    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(rows_md.dtype)
-    return expert_matmul(act, w_down, group_sizes, backend)  # [M, D]
+    y = expert_matmul(act(gate, up).astype(rows_md.dtype), w_down, group_sizes, backend)  # [M, D]
+    if biases is not None:
+        y = y + jnp.take(biases[1], row_experts, axis=0, mode="fill", fill_value=0).astype(y.dtype)
+    return y
 
 
-def _dispatch_compute_combine(x_td, weights_tk, experts_tk, w_gate_up, w_down, *, axes, n, e_local, backend):
+def _dispatch_compute_combine(
+    x_td, weights_tk, experts_tk, w_gate_up, w_down, biases, *, axes, n, e_local, backend, act
+):
     """One device's share of expert parallelism (inside shard_map over `axes`, n devices, e_local experts each).
 
     In: every token x [T, D] with its routing [T, k] (expert id E marks a pad token), of which this device takes
@@ -226,7 +325,8 @@ def _dispatch_compute_combine(x_td, weights_tk, experts_tk, w_gate_up, w_down, *
     recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True).reshape(n * a)  # [n*C]
     order2 = jnp.argsort(recv_e, stable=True)  # this device's rows by local expert, padding last
     sizes = jnp.sum(recv_e[None, :] == jnp.arange(e_local)[:, None], axis=1).astype(jnp.int32)  # [e_local]
-    y_rows = _swiglu_experts(jnp.take(recv_x, order2, axis=0), w_gate_up, w_down, sizes, backend)
+    rows = jnp.take(recv_x, order2, axis=0)
+    y_rows = _swiglu_experts(rows, w_gate_up, w_down, sizes, backend, act, biases, recv_e[order2])
     y_recv = jnp.zeros_like(y_rows).at[order2].set(y_rows).reshape(n, a, -1)  # [n, C, D] in arrival order
     y_back = jax.lax.all_to_all(y_recv, axes, 0, 0, tiled=True)  # [n, C, D]: slot (d, j) computed by device d
 

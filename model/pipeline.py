@@ -6,13 +6,19 @@ model's layer list for all of them, so the Transformer's embedding, head, caches
     tokens -> embed -> [PipelinedLayers: L layers in p stages] -> norm -> lm_head
     caches:  [per-stage pools]   one "layer" holding every layer's pages (below)
 
-Stage s holds layers s*n .. s*n + n - 1 (n = L / p) and only their KV pages. The arrays are grouped by a stage's
-local layer l: entry l stacks global layers l, n + l, 2n + l, ... on a leading [p] axis sharded over "pipeline", so
-inside the stage program its slice is [1, ...] and taking it is free (a slice of an [L, ...] stack would be a copy
-of the layer's weights and pages at every tick):
+Stage s holds layers start_s .. start_s + n_s - 1 and only their KV pages. The L layers are split as evenly as
+possible (`stage_sizes`, vLLM's rule: the L % p extra layers go to the stages before the last, from the
+second-to-last backwards), n = max n_s. The arrays are grouped by a stage's local layer l: entry l stacks global
+layers start_s + l of every stage on a leading [p] axis sharded over "pipeline", so inside the stage program its
+slice is [1, ...] and taking it is free (a slice of an [L, ...] stack would be a copy of the layer's weights and
+pages at every tick):
 
-    stack[l]: every parameter of layers {s*n + l}   [p, ...]               stage s: [1, ...] = layer s*n + l
-    cache:    [((k_l, v_l) for l < n)]              each [p, Hkv, P, ps, hd]
+    stack[l]: every parameter of layers {start_s + l}   [p, ...]           stage s: [1, ...] = layer start_s + l
+    cache:    [((k_l, v_l) for l < n)]                  each [p, Hkv, P, ps, hd]
+
+A stage with n_s < n layers holds a copy of its last layer in the missing entries and passes its activations
+through them unchanged (their output and KV pages are unused): an uneven split costs those stages one layer's
+weights, pages and compute per missing layer, and the step waits for the longest stage anyway.
 
 Inside a stage, tensor parallelism works as without pipelining (GSPMD on the auto "tensor" axis; the KV write +
 kernel in model/kv.py's nested shard_map).
@@ -47,7 +53,7 @@ from model.kv import PagedMeta, init_paged_cache
 from model.layers import rope_inv_freq
 from model.quant import QuantizedArray
 from model.transformer import _LAYER_PATHS, Transformer
-from sharding.config import check_pipeline
+from sharding.config import check_pipeline, stage_sizes, stage_starts
 from sharding.mesh import PIPELINE
 from sharding.rules import kv_cache_sharding, param_partition_spec
 
@@ -74,7 +80,8 @@ class PipelinedLayers(nnx.Module):
 
     Attributes:
         stack: per local layer l, its parameters of every stage stacked [p, ...], sharded over "pipeline".
-        graphdefs: the n = L / p layer graphs of a stage (stage s's layer l has the structure of layer l).
+        graphdefs: the n = max n_s layer graphs of a stage (stage s's layer l has the structure of layer l).
+        sizes: n_s, the real layers of each stage (`stage_sizes`).
         num_microbatches: m, microbatches per step (fewer when the batch does not divide; `microbatches`).
     """
 
@@ -83,10 +90,13 @@ class PipelinedLayers(nnx.Module):
         check_pipeline(cfg, p)
         self.cfg, self.mesh, self.num_stages = cfg, mesh, p
         self.num_microbatches = num_microbatches or p
-        n = cfg.num_layers // p
+        self.sizes = stage_sizes(cfg.num_layers, p)
+        starts, n = stage_starts(cfg.num_layers, p), max(self.sizes)
         graphdefs, states = zip(*(nnx.split(layer) for layer in model.layers))
         self.graphdefs = graphdefs[:n]
-        self.stack = nnx.data([_stack_placed(states[l::n], mesh, cfg.head_dim) for l in range(n)])
+        # Stage s's entry l: its layer start_s + l, or a copy of its last layer where it has fewer than n.
+        per_stage = [[states[a + min(l, k - 1)] for a, k in zip(starts, self.sizes)] for l in range(n)]
+        self.stack = nnx.data([_stack_placed(layer, mesh, cfg.head_dim) for layer in per_stage])
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache, meta: PagedMeta, valid=None):
         """x [1, T, D] of the whole step -> (x [1, T, D] after all layers, the per-stage pools, None)."""
@@ -127,7 +137,7 @@ class PipelinedLayers(nnx.Module):
             h = jnp.where(stage == 0, x_mb[jnp.minimum(t, m - 1)], state)
             mb = jax.tree.map(lambda a: a[jc], mbs)
             meta = dataclasses.replace(mb, slot_mapping=jnp.where(busy, mb.slot_mapping, 0), mesh=mesh)
-            h, kv = self._layers(stack, kv, h, pos_mb[jc], meta)
+            h, kv = self._layers(stack, kv, h, pos_mb[jc], meta, jnp.asarray(self.sizes)[stage])
             done = busy & (stage == p - 1)
             outs = outs.at[jc].set(jnp.where(done, h, outs[jc]))
             state = jax.lax.ppermute(h, PIPELINE, [(i, (i + 1) % p) for i in range(p)])
@@ -137,13 +147,15 @@ class PipelinedLayers(nnx.Module):
         _, kv, outs, busy_ticks = jax.lax.fori_loop(0, m + p - 1, tick, init)
         return outs[None], kv, busy_ticks[None]
 
-    def _layers(self, stack, kv, h_td, pos_t, meta):
-        """The stage's n layers on one microbatch h [T/m, D]; every array here is its stage's [1, ...] slice."""
+    def _layers(self, stack, kv, h_td, pos_t, meta, size):
+        """The stage's n layers on one microbatch h [T/m, D]; every array here is its stage's [1, ...] slice.
+        Entries at or past the stage's `size` real layers pass h through."""
         cfg, h, new_kv = self.cfg, h_td[None], []
         for l, graphdef in enumerate(self.graphdefs):
             block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stack[l]))
-            inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(l), cfg.rope_scaling)
-            h, cache, _ = block(h, pos_t[None], inv_freq, tuple(a[0] for a in kv[l]), meta)
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(l), cfg.layer_rope_scaling(l))
+            out, cache, _ = block(h, pos_t[None], inv_freq, tuple(a[0] for a in kv[l]), meta)
+            h = out if l < min(self.sizes) else jnp.where(l < size, out, h)
             new_kv.append(tuple(c[None] for c in cache))
         return h[0], tuple(new_kv)
 
@@ -157,8 +169,13 @@ def _stack_placed(states, mesh, head_dim: int):
         raise ValueError("pipeline_parallel_size > 1 needs float weights (quantized linear weights are not stacked)")
     stacked = []
     for i, (path, first) in enumerate(leaves[0]):
-        value = np.stack([np.asarray(layer[i][1]) for layer in leaves])  # through the host: one leaf at a time
         sharding = getattr(first, "sharding", None)
+        if isinstance(sharding, NamedSharding) and jax.process_count() > 1:
+            # A stage's layers lie on another process's devices: each process stacks the shards it holds.
+            inner = tuple(sharding.spec) + (None,) * (first.ndim - len(sharding.spec))
+            stacked.append(_stack_shards([layer[i][1] for layer in leaves], mesh, PartitionSpec(PIPELINE, *inner)))
+            continue
+        value = np.stack([np.asarray(layer[i][1]) for layer in leaves])  # through the host: one leaf at a time
         if isinstance(sharding, NamedSharding):
             inner = tuple(sharding.spec) + (None,) * (first.ndim - len(sharding.spec))
             spec = PartitionSpec(PIPELINE, *inner)
@@ -168,6 +185,25 @@ def _stack_placed(states, mesh, head_dim: int):
             spec = param_partition_spec(f"layers.0.{name}", value.shape, mesh, head_dim=head_dim)
         stacked.append(jax.device_put(value, NamedSharding(mesh, spec)))
     return jax.tree.unflatten(jax.tree.structure(states[0]), stacked)
+
+
+def _stack_shards(per_stage: list[jax.Array], mesh, spec: PartitionSpec) -> jax.Array:
+    """[p, ...] on `mesh` with `spec` from one array per stage, each on its stage's devices with the inner spec,
+    built from this process's shards (no host copy; a multi-process job's stages are on different processes)."""
+    out = NamedSharding(mesh, spec)
+    stage = {d: s for s, a in enumerate(per_stage) for d in a.sharding.device_set}
+    shards = {sh.device: sh.data for a in per_stage for sh in a.addressable_shards}
+    missing = [d for d in out.addressable_devices if d not in shards or stage[d] != _stage_of(mesh, d)]
+    if missing:
+        raise ValueError(f"pipeline: layer weights are not on their stage's devices ({missing[:2]})")
+    arrays = [shards[d][None] for d in out.addressable_devices_indices_map((len(per_stage), *per_stage[0].shape))]
+    return jax.make_array_from_single_device_arrays((len(per_stage), *per_stage[0].shape), out, arrays)
+
+
+def _stage_of(mesh, device) -> int:
+    """The pipeline coordinate of `device` in `mesh`."""
+    where = np.argwhere(mesh.devices == device)[0]
+    return int(where[mesh.axis_names.index(PIPELINE)])
 
 
 def split_meta(meta: PagedMeta, m: int) -> PagedMeta:
@@ -217,8 +253,8 @@ def init_stage_cache(
     num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, mesh
 ) -> list[tuple[tuple[jax.Array, ...], ...]]:
     """The paged pool as one "layer" of the runner's cache list: [((k_l, v_l[, k_scales_l, v_scales_l]) for each
-    local layer l < n)], every array [p, Hkv, P, ps, hd] (scales [p, Hkv, P, ps]) with its stage axis on
-    "pipeline", so each stage's devices hold only the pages of its own layers s*n + l."""
+    local layer l < n = max n_s)], every array [p, Hkv, P, ps, hd] (scales [p, Hkv, P, ps]) with its stage axis on
+    "pipeline", so each stage's devices hold only the pages of its own layers start_s + l."""
     p = num_stages(mesh)
     one = init_paged_cache(1, num_pages, page_size, num_kv_heads, head_dim, dtype)[0]
     shardings = tuple(kv_cache_sharding((p, *a.shape), mesh, stacked=True) for a in one)
@@ -227,7 +263,7 @@ def init_stage_cache(
     def init():
         return tuple(jnp.broadcast_to(a, (p, *a.shape)) for a in one)
 
-    return [tuple(init() for _ in range(num_layers // p))]
+    return [tuple(init() for _ in range(max(stage_sizes(num_layers, p))))]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

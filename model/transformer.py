@@ -30,6 +30,8 @@ from model.kv import PagedMeta
 from model.layers import Embedding, GatedMLP, RMSNorm, _param, apply_rope, rope_inv_freq
 from model.moe import MoEMLP
 from model.quant import QuantizedArray, matmul
+from model.quant_fused import fuses_input
+from sharding.rules import quantized_expert_sharding
 
 
 class Attention(nnx.Module):
@@ -39,7 +41,7 @@ class Attention(nnx.Module):
         d = cfg.hidden_size
         self.cfg = cfg
         self.window = cfg.layer_window(layer)
-        if cfg.is_gemma:  # QK-norm: RMSNorm over each head's width, before RoPE
+        if cfg.has_qk_norm:  # QK-norm: RMSNorm over each head's width, before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         # q|k|v fused into one weight (model/fused.py), laid out for `qkv_shards` tensor-parallel shards.
@@ -48,28 +50,50 @@ class Attention(nnx.Module):
         self.wo = _param((cfg.q_size, d), dtype, rngs, cfg.q_size**-0.5)
         if cfg.attention_bias:
             self.bqkv = nnx.Param(jnp.zeros((cfg.q_size + 2 * cfg.kv_size,), dtype))
+        if cfg.attention_sinks:  # gpt-oss: a learned logit per query head in every softmax denominator
+            self.sinks = nnx.Param(jnp.zeros((cfg.num_heads,), dtype))
+        if cfg.attention_out_bias:
+            self.bo = nnx.Param(jnp.zeros((d,), dtype))
 
     def __call__(self, x_btd, positions_bt, inv_freq, cache, meta):
-        cfg = self.cfg
-        b, t, _ = x_btd.shape
         qkv = matmul(x_btd, self.wqkv.get_value())  # [B, T, q + 2 kv] (wider when KV heads repeat per shard)
+        return self.from_qkv(qkv, positions_bt, inv_freq, cache, meta)
+
+    def from_qkv(self, qkv, positions_bt, inv_freq, cache, meta):
+        """The attention after its input projection qkv = x @ wqkv [B, T, q + 2 kv]: (output [B, T, D], cache)."""
+        cfg = self.cfg
+        b, t, _ = qkv.shape
         if cfg.attention_bias:
             qkv = qkv + self.bqkv[...].astype(qkv.dtype)
-        fused = not cfg.is_gemma and self.qkv_shards == 1 and isinstance(meta, PagedMeta)
+        # The fused RoPE + KV-write kernel takes plain RoPE: no QK-norm, longrope or attention softcap.
+        plain = not cfg.has_qk_norm and inv_freq.ndim == 1 and cfg.attn_logit_softcap is None
+        fused = plain and self.qkv_shards == 1 and isinstance(meta, PagedMeta)
         if fused and meta.fuses_rope(cache, cfg.num_kv_heads):  # RoPE + KV write in one kernel (model/kv.py)
-            kw = dict(num_q_heads=cfg.num_heads, window=self.window, sm_scale=cfg.attn_scale)
+            kw = dict(num_q_heads=cfg.num_heads, window=self.window, sm_scale=cfg.attn_scale, **self._sinks())
             out, cache = meta.rope_attend(qkv, positions_bt, inv_freq, cache, **kw)
-            return matmul(out.reshape(b, t, cfg.q_size), self.wo.get_value()), cache
+            return self._output(out.reshape(b, t, cfg.q_size)), cache
         q, k, v = unfuse_output(qkv, group_parts(cfg, "wqkv"), self.qkv_shards)
         q = q.reshape(b, t, -1, cfg.head_dim)  # [B, T, Hq, hd]
         k = k.reshape(b, t, -1, cfg.head_dim)  # [B, T, Hkv (or tp, repeated), hd]
-        if cfg.is_gemma:
+        if cfg.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions_bt, inv_freq)
-        k = apply_rope(k, positions_bt, inv_freq)
+        long_from = cfg.rope_scaling.original_max_position_embeddings if cfg.long_rope else None
+        q = apply_rope(q, positions_bt, inv_freq, long_from)
+        k = apply_rope(k, positions_bt, inv_freq, long_from)
         v = v.reshape(b, t, -1, cfg.head_dim)
-        out, cache = meta.attend(q, k, v, positions_bt, cache, window=self.window, sm_scale=cfg.attn_scale)
-        return matmul(out.reshape(b, t, cfg.q_size), self.wo.get_value()), cache
+        attn = dict(window=self.window, sm_scale=cfg.attn_scale, **self._sinks())
+        if cfg.attn_logit_softcap is not None:
+            attn["logit_softcap"] = cfg.attn_logit_softcap
+        out, cache = meta.attend(q, k, v, positions_bt, cache, **attn)
+        return self._output(out.reshape(b, t, cfg.q_size)), cache
+
+    def _sinks(self) -> dict:
+        return {"sinks": self.sinks[...]} if self.cfg.attention_sinks else {}
+
+    def _output(self, out_btq):
+        """The output projection [B, T, Hq * hd] -> [B, T, D] (plus its bias, gpt-oss)."""
+        y = matmul(out_btq, self.wo.get_value())
+        return y + self.bo[...].astype(y.dtype) if self.cfg.attention_out_bias else y
 
 
 class Block(nnx.Module):
@@ -78,21 +102,42 @@ class Block(nnx.Module):
         self.attn_norm = norm()
         self.attn = Attention(cfg, dtype, rngs, layer)
         self.mlp_norm = norm()
-        self.post_norms = cfg.is_gemma  # Gemma 3 also norms each branch's output before the residual add
+        self.post_norms = cfg.is_gemma  # Gemma 2 / 3 also norm each branch's output before the residual add
         if cfg.is_gemma:
             self.post_attn_norm, self.post_mlp_norm = norm(), norm()
         self.mlp = MoEMLP(cfg, dtype, rngs) if cfg.is_moe else GatedMLP(cfg, dtype, rngs)
 
     def __call__(self, x, positions, inv_freq, cache, meta, valid=None):
         """(x, cache, tokens_per_expert [E] int32 of the real tokens `valid` [B, T] (MoE) or None (dense))."""
-        h, cache = self.attn(self.attn_norm(x), positions, inv_freq, cache, meta)
-        x = x + (self.post_attn_norm(h) if self.post_norms else h)
-        if not isinstance(self.mlp, MoEMLP):
+        h, x, cache, tokens_per_expert = self.run(x, None, positions, inv_freq, cache, meta, valid)
+        return x + h, cache, tokens_per_expert
+
+    def run(self, x, residual, positions, inv_freq, cache, meta, valid=None):
+        """The layer on the residual stream s = x + residual (s = x without one): (h, s', cache, tokens_per_expert)
+        whose output stream is s' + h, that last residual add left to the caller: the next layer adds it in its
+        first norm. Each norm before a W8A8 projection (q|k|v, gate|up) runs with the residual add before it and
+        the projection's activation quantiser in one kernel (RMSNorm.matmul; model/quant_fused.py)."""
+        wqkv = self.attn.wqkv.get_value()
+        if fuses_input(wqkv):
+            qkv, x = self.attn_norm.matmul(x, wqkv, residual)
+            h, cache = self.attn.from_qkv(qkv, positions, inv_freq, cache, meta)
+        else:
+            x = x if residual is None else x + residual
+            h, cache = self.attn(self.attn_norm(x), positions, inv_freq, cache, meta)
+        h = self.post_attn_norm(h) if self.post_norms else h
+        if isinstance(self.mlp, MoEMLP):
+            x = x + h
+            # The paged metadata carries the engine's mesh: the experts then run split over it (expert parallelism).
+            y, tokens_per_expert = self.mlp(self.mlp_norm(x), valid, mesh=getattr(meta, "mesh", None))
+            return y, x, cache, tokens_per_expert
+        w_gate_up = self.mlp.w_gate_up.get_value()
+        if fuses_input(w_gate_up):
+            gate_up, x = self.mlp_norm.matmul(x, w_gate_up, h)
+            h = self.mlp.from_gate_up(gate_up)
+        else:
+            x = x + h
             h = self.mlp(self.mlp_norm(x))
-            return x + (self.post_mlp_norm(h) if self.post_norms else h), cache, None
-        # The paged metadata carries the engine's mesh: the experts then run split over it (expert parallelism).
-        y, tokens_per_expert = self.mlp(self.mlp_norm(x), valid, mesh=getattr(meta, "mesh", None))
-        return x + y, cache, tokens_per_expert
+        return (self.post_mlp_norm(h) if self.post_norms else h), x, cache, None
 
 
 class Transformer(nnx.Module):
@@ -136,17 +181,24 @@ class Transformer(nnx.Module):
           states when return_hidden.
         """
         cfg = self.cfg
-        thetas = {cfg.layer_rope_theta(i) for i in range(cfg.num_layers)}  # Gemma 3: local and global bases
-        inv_freqs = {theta: rope_inv_freq(cfg.head_dim, theta, cfg.rope_scaling) for theta in thetas}
+        # Gemma 3: local and global bases (the global ones scaled)
+        ropes = {(cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i)) for i in range(cfg.num_layers)}
+        inv_freqs = {rope: rope_inv_freq(cfg.head_dim, *rope) for rope in ropes}
         x = self.embed(tokens_bt, self.dtype)
         if cfg.is_gemma:  # embeddings scaled by sqrt(D), the factor rounded to the compute dtype as in HF
             x = x * jnp.asarray(cfg.hidden_size**0.5, self.dtype)
-        new_caches, counts = [], []
+        new_caches, counts, pending = [], [], None  # pending: the last layer's output branch, not yet added to x
         for i, layer in enumerate(self.layers):
-            inv_freq = inv_freqs[cfg.layer_rope_theta(i)]
-            x, c, n = layer(x, positions_bt, inv_freq, None if caches is None else caches[i], meta, valid_bt)
+            inv_freq = inv_freqs[cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i)]
+            args = (positions_bt, inv_freq, None if caches is None else caches[i], meta, valid_bt)
+            if isinstance(layer, Block):  # the residual add goes into the next layer's first norm
+                pending, x, c, n = layer.run(x, pending, *args)
+            else:  # model/pipeline.py's stages: whole layers
+                x, c, n = layer(x if pending is None else x + pending, *args)
+                pending = None
             new_caches.append(c)
             counts.append(jnp.zeros((0,), jnp.int32) if n is None else n)
+        x = x if pending is None else x + pending
         if logits_index_bk is not None:
             x = jnp.take_along_axis(x, logits_index_bk[:, :, None], axis=1)
         x = self.final_norm(x)
@@ -178,6 +230,8 @@ _LAYER_PATHS = {
     "wqkv": ("attn", "wqkv"),  # wq | wk | wv
     "wo": ("attn", "wo"),
     "bqkv": ("attn", "bqkv"),  # bq | bk | bv
+    "bo": ("attn", "bo"),
+    "sinks": ("attn", "sinks"),
     "gate_up": ("mlp", "w_gate_up"),  # w_gate | w_up
     "w_down": ("mlp", "w_down"),
 }
@@ -191,9 +245,14 @@ _MOE_LAYER_PATHS = {
     "shared_w_gate": ("mlp", "shared_w_gate"),
     "shared_w_up": ("mlp", "shared_w_up"),
     "shared_w_down": ("mlp", "shared_w_down"),
+    "b_router": ("mlp", "b_router"),
+    "b_gate_up": ("mlp", "b_gate_up"),
+    "b_experts_down": ("mlp", "b_down"),
 }
 _SHARDS_ATTR = {"wqkv": "qkv_shards", "bqkv": "qkv_shards", "gate_up": "gate_up_shards"}  # on the owner module
-_QUANTISABLE = frozenset(("wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "gate_up", "w_down", "lm_head"))
+_QUANTISABLE = frozenset(
+    ("wq", "wk", "wv", "wqkv", "wo", "w_gate", "w_up", "gate_up", "w_down", "lm_head", "w_gate_up", "w_experts_down")
+)
 
 
 def _storage_slots(model: Transformer) -> dict[str, nnx.Param]:
@@ -268,7 +327,8 @@ def _check_shardings(slots: Mapping[str, Any], shardings: Mapping[str, Any] | No
 
 def _place(name: str, value: Any, spec: jax.ShapeDtypeStruct, dtype, sharding, quantized_sharding=None) -> Any:
     """`value` checked against the slot, cast to `dtype` (arrays only) and put on `sharding` (or the default);
-    a QuantizedArray goes to `quantized_sharding` (the engine's mesh, replicated) or the default device."""
+    a QuantizedArray goes to `quantized_sharding` (the engine's mesh, replicated) or the default device, except
+    routed experts [E, K, N], split over E as `sharding` says (sharding/rules.py quantized_expert_sharding)."""
     if tuple(value.shape) != tuple(spec.shape):
         raise ValueError(f"{name}: shape {tuple(value.shape)} != expected {tuple(spec.shape)}")
     if isinstance(value, QuantizedArray):
@@ -276,7 +336,8 @@ def _place(name: str, value: Any, spec: jax.ShapeDtypeStruct, dtype, sharding, q
             raise ValueError(f"{name}: only linear weights {sorted(_QUANTISABLE)} may be QuantizedArray")
         if sharding is not None and quantized_sharding is None:
             raise ValueError(f"{name}: a sharding for a QuantizedArray parameter is not supported yet")
-        return jax.device_put(value, quantized_sharding)
+        experts = quantized_expert_sharding(value, sharding)
+        return jax.device_put(value, quantized_sharding if experts is None else experts)
     if isinstance(value, jax.Array):
         return jax.device_put(value.astype(dtype), sharding)
     # Cast on the host, so only the converted bytes travel; the caller's buffer is dropped after this call.
@@ -408,7 +469,7 @@ def _init_value(name: str, key: jax.Array, shape: tuple[int, ...], dtype, norm_v
     leaf = name.rsplit(".", 1)[-1]
     if leaf in _NORMS:
         return jnp.full(shape, norm_value, dtype)
-    if leaf in ("bq", "bk", "bv"):
+    if leaf in ("bq", "bk", "bv", "bo", "sinks", "b_router", "b_gate_up", "b_experts_down"):
         return jnp.zeros(shape, dtype)
     scale = 1.0 if name == "embed" else shape[-2] ** -0.5  # fan-in: [in, out], or experts' [E, in, out]
     return scale * jax.random.normal(key, shape, dtype)

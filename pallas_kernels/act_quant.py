@@ -21,8 +21,8 @@ codes from x / scale as an IEEE divide (PTX div.rn.f32 on the GPU: Triton lowers
 div.full.f32), the same clip, round half to even (Triton has no round: floor plus the tie rule, exact in f32 for
 |v| <= 127). The interpreter matches the reference bit for bit. On the H200 the scales match bit for
 bit and the codes except at rounding boundaries (x and amax are bf16, so exact ties are common): XLA's fused
-reference may rewrite the divide (x / scale as the rule: 2 of 58.7M codes differed by one on the H200, session
-8; x * (1 / scale) in both, tried in session 9: 2,436 of 16.8M int8 codes at 4096 x 4096, so the divide stays);
+reference may rewrite the divide (x / scale as the rule: 2 of 58.7M codes differed by one on the H200; x * (1 /
+scale) in both, tried too: 2,436 of 16.8M int8 codes at 4096 x 4096, so the divide stays);
 the GPU test allows a different code only where x / scale lies within 2^-18 of a boundary.
 
 `fake_quantize` is the same pass writing codes * scale in x's dtype instead (the codes' dequantised values, one

@@ -76,7 +76,7 @@ class MgpuConfig:
 
     @classmethod
     def for_head_dim(cls, head_dim: int, causal: bool = True) -> MgpuConfig:
-        """The default tiles; non-causal D=128 takes the intra-warpgroup pipelined loop (round 3 of
+        """The default tiles; non-causal D=128 takes the intra-warpgroup pipelined loop (tuning run 3 in
         benchmarks/results/flash_notes.md: 635 / 597 TFLOP/s vs 604 / 590 for the plain loop, one run)."""
         if head_dim > 128:
             return cls(block_kv=64)

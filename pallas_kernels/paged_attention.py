@@ -16,6 +16,9 @@ logits columns (K) and to the probabilities (V), which is exactly dequantise-the
 Tokens at positions >= length are loaded masked (as zeros), so stale or NaN data in unused page slots
 never reaches the output.
 
+Attention sinks (`sinks` [Hq], gpt-oss; pallas_kernels/paged_common.py): one more logit per query head in each
+softmax denominator, folded in after the page loop, or into the split-K merge.
+
 Sliding window (`window`, static): the query at position length - 1 sees keys in [length - window, length).
 The page loop starts at the block holding key length - window, so pages wholly before the window are never
 read (the engine may already have given them back: their table entries can point anywhere); keys before the
@@ -34,12 +37,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.backend import out_struct, resolve_backend
+from pallas_kernels.paged_common import (
+    FLOAT_PAGE_DTYPES,
+    add_sink,
+    check_triton_params,
+    dequantize_pages,
+    softcap_scores,
+    softmax_with_sinks,
+    validate_pages,
+    validate_sinks,
+    validate_softcap,
+    validate_window,
+)
 
 LOG2E = math.log2(math.e)
 # Finite so that exp2(mask - max) is exactly 0 and never NaN, even for rows with no valid key yet.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_FLOAT_PAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_QUANT_PAGE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def _is_pow2(x: int) -> bool:
@@ -75,14 +88,6 @@ class PagedAttentionConfig:
 
     def pages_per_block(self, page_size: int) -> int:
         return max(1, self.block_tokens // page_size)
-
-
-def check_triton_params(num_warps: int, num_stages: int) -> None:
-    """Shared validation of the Triton launch parameters of the paged kernels' configs."""
-    if num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps must be a power of 2 <= 16, got {num_warps}")
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
 
 
 def _num_sms() -> int:
@@ -128,8 +133,9 @@ def load_kv_block(pages_ref, scales_ref, pages, first_token, length, page_size, 
     return tile, scales, valid
 
 
-def attend_block(q, k, v, k_scale, v_scale, mask, carry, *, scale_log2, compute_dtype):
-    """One online-softmax step in base 2. q [M, D], k/v [N, D], scales [N] or None, mask [M, N] bool."""
+def attend_block(q, k, v, k_scale, v_scale, mask, carry, *, scale_log2, compute_dtype, softcap=None):
+    """One online-softmax step in base 2. q [M, D], k/v [N, D], scales [N] or None, mask [M, N] bool.
+    softcap: scores s (already scaled) become softcap * tanh(s / softcap) (Gemma 2), or None."""
     acc, m_prev, l_prev = carry  # [M, D] f32, [M] f32, [M] f32
     k = k.astype(compute_dtype)
     # Triton's default for float32 operands is TF32; float32 pages ask for full IEEE products.
@@ -139,7 +145,9 @@ def attend_block(q, k, v, k_scale, v_scale, mask, carry, *, scale_log2, compute_
     )  # [M, N]
     if k_scale is not None:
         logits = logits * k_scale[None, :]
-    logits = jnp.where(mask, logits * scale_log2, MASK_VALUE)
+    if softcap is not None:
+        logits = softcap * LOG2E * jnp.tanh(logits * (scale_log2 / LOG2E / softcap))
+    logits = jnp.where(mask, logits if softcap is not None else logits * scale_log2, MASK_VALUE)
     m_new = jnp.maximum(m_prev, logits.max(axis=-1))
     alpha = jnp.exp2(m_prev - m_new)
     p = jnp.exp2(logits - m_new[:, None])  # [M, N]
@@ -165,6 +173,7 @@ def _decode_kernel(
     v_pages_ref,  # [num_pages * page_size, D], KV head h
     k_scales_ref,  # [num_pages * page_size] f32, KV head h (None for float pages)
     v_scales_ref,  # [num_pages * page_size] f32, KV head h (None for float pages)
+    sinks_ref,  # [Gp] f32 base-2 sink logits of the group's query heads (None without sinks)
     o_ref,  # [Gp, D]: q dtype (one split) or f32 unnormalised accumulator (split-K)
     m_ref,  # [Gp] f32 running max of base-2 logits (None without split-K)
     l_ref,  # [Gp] f32 running softmax denominator (None without split-K)
@@ -175,6 +184,7 @@ def _decode_kernel(
     pages_per_split: int,
     compute_dtype,
     window: int | None,
+    softcap: float | None,
 ):
     b, split = pl.program_id(0), pl.program_id(2)
     block_tokens = pages_per_block * page_size
@@ -197,7 +207,8 @@ def _decode_kernel(
         k, ks, valid = load_kv_block(k_pages_ref, k_scales_ref, pages, first_token, length, page_size, lo)
         v, vs, _ = load_kv_block(v_pages_ref, v_scales_ref, pages, first_token, length, page_size, lo)
         mask = jnp.broadcast_to(valid[None, :], (rows, block_tokens))
-        return attend_block(q, k, v, ks, vs, mask, carry, scale_log2=scale_log2, compute_dtype=compute_dtype)
+        kw = dict(scale_log2=scale_log2, compute_dtype=compute_dtype, softcap=softcap)
+        return attend_block(q, k, v, ks, vs, mask, carry, **kw)
 
     carry = (
         jnp.zeros((rows, head_dim), jnp.float32),
@@ -206,6 +217,8 @@ def _decode_kernel(
     )
     acc, m, l = jax.lax.fori_loop(0, num_steps, body, carry)
     if m_ref is None:
+        if sinks_ref is not None:
+            acc, m, l = add_sink(acc, m, l, sinks_ref[...])
         l_safe = jnp.where(l > 0, l, 1.0)
         o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
     else:
@@ -225,6 +238,7 @@ def _build_decode_call(
     v_scales,
     block_tables,
     lengths,
+    sinks,
     *,
     sm_scale,
     config,
@@ -232,8 +246,10 @@ def _build_decode_call(
     interpret,
     out_dtype,
     window,
+    softcap,
 ):
-    """q4 [B, Hkv, Gp, D] (compute dtype); block_tables [B, num_splits * pages_per_split] (padded)."""
+    """q4 [B, Hkv, Gp, D] (compute dtype); block_tables [B, num_splits * pages_per_split] (padded); sinks
+    [Hkv, Gp] f32 base-2 or None (folded in by the kernel when unsplit, else by the caller's merge)."""
     batch, num_kv_heads, rows, head_dim = q4.shape
     _, num_pages, page_size, _ = k_pages.shape
     pages_per_block = config.pages_per_block(page_size)
@@ -246,6 +262,7 @@ def _build_decode_call(
         pages_per_split=pages_per_split,
         compute_dtype=q4.dtype,
         window=window,
+        softcap=softcap,
     )
     slots = num_pages * page_size
     page_spec = pl.BlockSpec((None, slots, head_dim), lambda b, h, s: (h, 0, 0))
@@ -258,6 +275,7 @@ def _build_decode_call(
         page_spec,
         None if k_scales is None else scale_spec,
         None if v_scales is None else scale_spec,
+        None if sinks is None or num_splits > 1 else pl.BlockSpec((None, rows), lambda b, h, s: (h, 0)),
     ]
     out = functools.partial(out_struct, inputs=(q4, k_pages, v_pages, block_tables, lengths))
     if num_splits == 1:
@@ -285,7 +303,13 @@ def _build_decode_call(
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"paged_decode_ps{page_size}_bt{config.block_tokens}_s{num_splits}",
-    )(lengths, block_tables, q4, *flatten_pages(k_pages, v_pages, k_scales, v_scales))
+    )(
+        lengths,
+        block_tables,
+        q4,
+        *flatten_pages(k_pages, v_pages, k_scales, v_scales),
+        None if num_splits > 1 else sinks,
+    )
 
 
 def flatten_pages(k_pages, v_pages, k_scales, v_scales):
@@ -297,24 +321,38 @@ def flatten_pages(k_pages, v_pages, k_scales, v_scales):
     return flat
 
 
-def merge_splits(acc, m, l):
-    """Exact merge of split-K partials. acc [S, ..., D] f32, m/l [S, ...] base-2 max / sums -> [..., D]."""
-    m_all = m.max(axis=0)  # [...]
+def merge_splits(acc, m, l, sink2=None):
+    """Exact merge of split-K partials. acc [S, ..., D] f32, m/l [S, ...] base-2 max / sums -> [..., D];
+    sink2 [...] (optional): base-2 sink logits, one more term of each denominator."""
+    m_all = m.max(axis=0) if sink2 is None else jnp.maximum(m.max(axis=0), sink2)  # [...]
     w = jnp.exp2(m - m_all[None])  # [S, ...]
-    l_all = (w * l).sum(axis=0)
+    l_all = (w * l).sum(axis=0) + (0.0 if sink2 is None else jnp.exp2(sink2 - m_all))
     o = (w[..., None] * acc).sum(axis=0)
     return jnp.where(l_all[..., None] > 0, o / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
 
 
 def compute_dtype_for(q_dtype, page_dtype):
     """Dtype the tensor cores see: the page dtype for float pages, else q's 16-bit dtype (bf16 default)."""
-    if jnp.dtype(page_dtype) in _FLOAT_PAGE_DTYPES:
+    if jnp.dtype(page_dtype) in FLOAT_PAGE_DTYPES:
         return jnp.dtype(page_dtype)
     return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
 
 
 def _paged_pallas(
-    q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale, config, interpret, window
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    lengths,
+    k_scales,
+    v_scales,
+    sinks,
+    *,
+    sm_scale,
+    config,
+    interpret,
+    window,
+    softcap,
 ):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
@@ -328,69 +366,30 @@ def _paged_pallas(
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pad_pages)))  # padding is never read unmasked
     q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(compute_dtype_for(q.dtype, k_pages.dtype))
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    if sinks is not None:  # [Hq] -> base-2 [Hkv, Gp]
+        sinks = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group) * LOG2E, ((0, 0), (0, rows - group)))
     o, m, l = _build_decode_call(
-        q4,
-        k_pages,
-        v_pages,
-        k_scales,
-        v_scales,
-        block_tables,
-        lengths,
+        *(q4, k_pages, v_pages, k_scales, v_scales, block_tables, lengths, sinks),
         sm_scale=sm_scale,
         config=config,
         num_splits=num_splits,
         interpret=interpret,
         out_dtype=q.dtype,
         window=window,
+        softcap=softcap,
     )
     if num_splits > 1:
-        o = merge_splits(o, m, l)
+        o = merge_splits(o, m, l, None if sinks is None else sinks[None])
     return o[:, :, :group, :].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Validation, public entry point and reference.
 # ---------------------------------------------------------------------------------------------------------
-def validate_pages(name, q_heads, head_dim, k_pages, v_pages, k_scales, v_scales):
-    """Shared checks of the paged KV operands; returns nothing, raises ValueError."""
-    if k_pages.ndim != 4 or v_pages.ndim != 4:
-        raise ValueError(
-            f"{name}: k_pages/v_pages must be [Hkv, num_pages, page_size, D], got {k_pages.shape} and {v_pages.shape}"
-        )
-    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError(
-            f"{name}: k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} differ"
-        )
-    num_kv_heads, _, page_size, page_dim = k_pages.shape
-    if page_dim != head_dim:
-        raise ValueError(f"{name}: q head_dim {head_dim} != page head_dim {page_dim}")
-    if num_kv_heads == 0 or q_heads % num_kv_heads:
-        raise ValueError(f"{name}: Hq={q_heads} is not a multiple of Hkv={num_kv_heads}")
-    if not _is_pow2(page_size):
-        raise ValueError(f"{name}: page_size must be a power of 2, got {page_size}")
-    dtype = jnp.dtype(k_pages.dtype)
-    if dtype in _FLOAT_PAGE_DTYPES:
-        if k_scales is not None or v_scales is not None:
-            raise ValueError(f"{name}: scales given for float pages of dtype {dtype}")
-    elif dtype in _QUANT_PAGE_DTYPES:
-        if k_scales is None or v_scales is None:
-            raise ValueError(f"{name}: {dtype} pages need both k_scales and v_scales")
-        for s_name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if s.shape != k_pages.shape[:3] or s.dtype != jnp.float32:
-                raise ValueError(f"{name}: {s_name} must be float32 {k_pages.shape[:3]}, got {s.shape} {s.dtype}")
-    else:
-        raise ValueError(f"{name}: unsupported page dtype {dtype}")
-
-
-def validate_window(name: str, window) -> None:
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"{name}: window must be None or a positive int, got {window!r}")
-
-
 def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
     if q.ndim != 3:
         raise ValueError(f"paged_attention: q must be [B, Hq, D], got {q.shape}")
-    if jnp.dtype(q.dtype) not in _FLOAT_PAGE_DTYPES:
+    if jnp.dtype(q.dtype) not in FLOAT_PAGE_DTYPES:
         raise ValueError(f"paged_attention: q dtype must be bf16/f16/f32, got {q.dtype}")
     batch, q_heads, head_dim = q.shape
     validate_pages("paged_attention", q_heads, head_dim, k_pages, v_pages, k_scales, v_scales)
@@ -403,7 +402,7 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales):
         raise ValueError(f"paged_attention: lengths must be int32 [{batch}], got {lengths.shape} {lengths.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config", "window"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config", "window", "logit_softcap"))
 def paged_attention(
     q,
     k_pages,
@@ -417,6 +416,8 @@ def paged_attention(
     backend=None,
     config: PagedAttentionConfig = PagedAttentionConfig(),
     window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks=None,
 ):
     """Decode attention of one query token per sequence over a paged KV cache.
 
@@ -430,49 +431,35 @@ def paged_attention(
         backend: None, "triton", "interpret" or "xla" (see pallas_kernels.backend).
         config: tile sizes (static).
         window: sliding window (static): the query sees the last `window` keys only; None: all of them.
+        logit_softcap: scaled scores s -> cap * tanh(s / cap) before the softmax (static; Gemma 2), or None.
+        sinks: [Hq] float attention-sink logits (gpt-oss; paged_common.py), or None.
 
     Returns:
         [B, Hq, D] in q's dtype.
     """
     _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
     validate_window("paged_attention", window)
+    validate_softcap("paged_attention", logit_softcap)
+    validate_sinks("paged_attention", sinks, q.shape[1])
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     resolved = resolve_backend(backend, "paged_attention")
     if resolved == "xla":
-        return reference(
-            q,
-            k_pages,
-            v_pages,
-            block_tables,
-            lengths,
-            sm_scale=sm_scale,
-            k_scales=k_scales,
-            v_scales=v_scales,
-            window=window,
-        ).astype(q.dtype)
+        kw = dict(sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales, window=window, logit_softcap=logit_softcap)
+        from pallas_kernels.paged_attention_xla import decode_attention  # which imports this module
+
+        return decode_attention(q, k_pages, v_pages, block_tables, lengths, **kw, sinks=sinks).astype(q.dtype)
     if resolved == "mosaic_gpu":
         raise ValueError("paged_attention: no mosaic_gpu kernel yet; use backend='triton'")
     if not _is_pow2(q.shape[-1]) or q.shape[-1] < 16:
         raise ValueError(f"paged_attention: the Pallas kernel needs a power-of-2 head_dim >= 16, got {q.shape[-1]}")
     return _paged_pallas(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        lengths,
-        k_scales,
-        v_scales,
+        *(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sinks),
         sm_scale=sm_scale,
         config=config,
         interpret=resolved == "interpret",
         window=window,
+        softcap=logit_softcap,
     )
-
-
-def dequantize_pages(pages, scales):
-    """[Hkv, P, ps, D] pages (+ [Hkv, P, ps] scales or None) -> float32 values."""
-    pages = pages.astype(jnp.float32)
-    return pages if scales is None else pages * scales[..., None]
 
 
 def reference(
@@ -487,6 +474,8 @@ def reference(
     v_scales=None,
     backend=None,
     window=None,
+    logit_softcap=None,
+    sinks=None,
 ):
     """Plain-jnp float32 decode attention gathering whole page lists; same contract as `paged_attention`."""
     del backend
@@ -504,7 +493,12 @@ def reference(
     v = jnp.where(valid[None, :, :, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, q_heads // num_kv_heads, head_dim)
     logits = jnp.einsum("bhgd,hbld->bhgl", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
+    logits = softcap_scores(logits, logit_softcap)
     logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    if sinks is not None:
+        p = softmax_with_sinks(logits, sinks.reshape(num_kv_heads, -1))
+        o = jnp.einsum("bhgl,hbld->bhgd", p, v, precision=jax.lax.Precision.HIGHEST)
+        return o.reshape(batch, q_heads, head_dim)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = p.sum(axis=-1, keepdims=True)

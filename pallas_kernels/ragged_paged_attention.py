@@ -24,8 +24,9 @@ Data flow (Triton / interpret backends):
 Prefill tiles are compute-bound on pages that mostly sit in L2; decode tiles are bound by HBM bandwidth.
 Both kinds share one compiled kernel, whose registers and shared memory are sized by the prefill branch,
 so a decode tile here streams KV at about half the rate of the dedicated decode kernel
-(pallas_kernels/paged_attention.py); benchmarks/results/paged_notes.md (round 3) has the measurements and
-the variants tried. Shapes (T, S, max_blocks) are static buckets; the data decides the work.
+(pallas_kernels/paged_attention.py); benchmarks/results/paged_notes.md (run 3) has the measurements and
+the variants tried. Shapes (T, S, max_blocks) are static buckets; the data decides the work. Attention sinks
+(`sinks` [Hq], gpt-oss) come in as a per-row vector beside q's rows and join each row's denominator after the loop.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import paged_attention_xla
 from pallas_kernels.backend import out_struct, resolve_backend
 from pallas_kernels.paged_attention import (
     LOG2E,
@@ -46,12 +48,19 @@ from pallas_kernels.paged_attention import (
     _is_pow2,
     _next_pow2,
     attend_block,
-    check_triton_params,
     compute_dtype_for,
-    dequantize_pages,
     flatten_pages,
     load_kv_block,
-    validate_pages,
+)
+from pallas_kernels.paged_common import (
+    add_sink,
+    check_triton_params,
+    dequantize_pages,
+    softcap_scores,
+    softmax_with_sinks,
+    validate_ragged,
+    validate_sinks,
+    validate_softcap,
     validate_window,
 )
 
@@ -134,7 +143,7 @@ def tile_metadata(
 
     Prefill tiles first keeps the tiles of one chunk, which reuse its pages from L2, running together;
     the small tiles then fill the tail. Interleaving was meant to run bandwidth-bound decode tiles beside
-    compute-bound prefill tiles all along, but measured 1.5-1.8x slower on an H200 (paged_notes.md, round 3).
+    compute-bound prefill tiles all along, but measured 1.5-1.8x slower on an H200 (paged_notes.md, run 3).
 
     Args:
         cu_q_lens: [S+1] int32 cumulative query lengths.
@@ -192,6 +201,7 @@ def _attend_tile(
     v_pages_ref,
     k_scales_ref,
     v_scales_ref,
+    sinks_ref,
     o_ref,
     *,
     block_q,
@@ -201,6 +211,7 @@ def _attend_tile(
     pages_per_block,
     compute_dtype,
     window,
+    softcap,
 ):
     """Causal attention of tokens q0 .. q0+block_q-1 of sequence `seq` (rows past its end are not stored)."""
     q_begin, q_end = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
@@ -224,7 +235,8 @@ def _attend_tile(
         mask = valid[None, :] & (key[None, :] <= pos[:, None])  # [M, N]
         if window is not None:
             mask &= key[None, :] > pos[:, None] - window
-        return attend_block(q, k, v, ks, vs, mask, carry, scale_log2=scale_log2, compute_dtype=compute_dtype)
+        kw = dict(scale_log2=scale_log2, compute_dtype=compute_dtype, softcap=softcap)
+        return attend_block(q, k, v, ks, vs, mask, carry, **kw)
 
     carry = (
         jnp.zeros((rows, q.shape[1]), jnp.float32),
@@ -232,7 +244,9 @@ def _attend_tile(
         jnp.zeros((rows,), jnp.float32),
     )
     first_block = 0 if window is None else kv_lo // block_tokens
-    acc, _, l = jax.lax.fori_loop(first_block, pl.cdiv(kv_hi, block_tokens), body, carry)
+    acc, m, l = jax.lax.fori_loop(first_block, pl.cdiv(kv_hi, block_tokens), body, carry)
+    if sinks_ref is not None:
+        acc, m, l = add_sink(acc, m, l, sinks_ref[pl.ds(q0 * group_rows, rows)])
     out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
     store_mask = jnp.broadcast_to((tok < q_end)[:, None], out.shape)
     pltriton.store(o_ref.at[pl.ds(q0 * group_rows, rows), :], out, mask=store_mask)
@@ -248,6 +262,7 @@ def _ragged_kernel(
     v_pages_ref,  # [num_pages * page_size, D], KV head h
     k_scales_ref,  # [num_pages * page_size] f32 (None for float pages)
     v_scales_ref,  # [num_pages * page_size] f32 (None for float pages)
+    sinks_ref,  # [T_pad * Gp] f32 base-2 sink logit of each row's query head (None without sinks)
     o_ref,  # [T_pad * Gp, D] q dtype, KV head h
     *,
     block_q: int,
@@ -266,6 +281,7 @@ def _ragged_kernel(
         v_pages_ref,
         k_scales_ref,
         v_scales_ref,
+        sinks_ref,
         o_ref,
     )
     big_pages, small_pages = pages_per_block
@@ -291,11 +307,13 @@ def _ragged_pallas(
     num_seqs,
     k_scales,
     v_scales,
+    sinks,
     *,
     sm_scale,
     config,
     interpret,
     window,
+    softcap,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -313,6 +331,11 @@ def _ragged_pallas(
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(compute_dtype_for(q.dtype, k_pages.dtype))
     q4 = jnp.pad(q4, ((0, padded_tokens - num_tokens), (0, 0), (0, group_rows - group), (0, 0)))
     q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group_rows, head_dim)
+    if sinks is not None:  # [Hq] -> base 2, one per row of q_rows: [Hkv, T_pad * Gp]
+        sinks = jnp.pad(
+            sinks.astype(jnp.float32).reshape(num_kv_heads, group) * LOG2E, ((0, 0), (0, group_rows - group))
+        )
+        sinks = jnp.tile(sinks, (1, padded_tokens))
     tiles = tile_metadata(
         cu_q_lens, num_seqs, block_q=block_q, small_block_q=small_block_q, max_tiles=max_tiles, schedule=config.schedule
     )
@@ -327,6 +350,7 @@ def _ragged_pallas(
         group_rows=group_rows,
         compute_dtype=q_rows.dtype,
         window=window,
+        softcap=softcap,
     )
     # Grid (Hkv, W): heads vary fastest, so entries launch in work-list order and the heads of one entry,
     # which read the same block tables, run side by side.
@@ -345,6 +369,7 @@ def _ragged_pallas(
         page_spec,
         None if k_scales is None else scale_spec,
         None if v_scales is None else scale_spec,
+        None if sinks is None else pl.BlockSpec((None, padded_tokens * group_rows), lambda h, w: (h, 0)),
     ]
     o_rows = pl.pallas_call(
         kernel,
@@ -355,7 +380,7 @@ def _ragged_pallas(
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name=f"ragged_paged_ps{page_size}_m{rows}_bt{config.block_tokens}_{pages_per_block[1]}_{config.schedule}",
-    )(tiles, cu_q_lens, kv_lens, block_tables, q_rows, *flatten_pages(k_pages, v_pages, k_scales, v_scales))
+    )(tiles, cu_q_lens, kv_lens, block_tables, q_rows, *flatten_pages(k_pages, v_pages, k_scales, v_scales), sinks)
 
     o = o_rows.reshape(num_kv_heads, padded_tokens, group_rows, head_dim)[:, :num_tokens, :group]
     o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
@@ -366,29 +391,7 @@ def _ragged_pallas(
 # ---------------------------------------------------------------------------------------------------------
 # Validation, public entry point and reference.
 # ---------------------------------------------------------------------------------------------------------
-def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales):
-    name = "ragged_paged_attention"
-    if q.ndim != 3:
-        raise ValueError(f"{name}: q must be [T, Hq, D], got {q.shape}")
-    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise ValueError(f"{name}: q dtype must be bf16/f16/f32, got {q.dtype}")
-    validate_pages(name, q.shape[1], q.shape[2], k_pages, v_pages, k_scales, v_scales)
-    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
-        raise ValueError(
-            f"{name}: block_tables must be int32 [S, max_blocks], got {block_tables.shape} {block_tables.dtype}"
-        )
-    num_slots = block_tables.shape[0]
-    if kv_lens.shape != (num_slots,) or kv_lens.dtype != jnp.int32:
-        raise ValueError(f"{name}: kv_lens must be int32 [{num_slots}], got {kv_lens.shape} {kv_lens.dtype}")
-    if cu_q_lens.shape != (num_slots + 1,) or cu_q_lens.dtype != jnp.int32:
-        raise ValueError(f"{name}: cu_q_lens must be int32 [{num_slots + 1}], got {cu_q_lens.shape} {cu_q_lens.dtype}")
-    if jnp.shape(num_seqs) not in ((), (1,)) or jnp.result_type(num_seqs) != jnp.int32:
-        raise ValueError(
-            f"{name}: num_seqs must be an int32 scalar, got {jnp.shape(num_seqs)} {jnp.result_type(num_seqs)}"
-        )
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config", "window"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "backend", "config", "window", "logit_softcap"))
 def ragged_paged_attention(
     q,
     k_pages,
@@ -404,6 +407,8 @@ def ragged_paged_attention(
     backend=None,
     config: RaggedConfig = RaggedConfig(),
     window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks=None,
 ):
     """Causal attention of a flat, ragged batch of query tokens over a paged KV cache.
 
@@ -419,29 +424,23 @@ def ragged_paged_attention(
         backend: None, "triton", "interpret" or "xla" (see pallas_kernels.backend).
         config: tile sizes (static).
         window: sliding window (static): the query at position p sees keys (p - window, p]; None: 0..p.
+        logit_softcap: scaled scores s -> cap * tanh(s / cap) before the softmax (static; Gemma 2), or None.
+        sinks: [Hq] float attention-sink logits (gpt-oss; paged_common.py), or None.
 
     Returns:
         [T, Hq, D] in q's dtype; rows at or past cu_q_lens[num_seqs] are zero.
     """
-    _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales)
+    validate_ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales)
     validate_window("ragged_paged_attention", window)
+    validate_softcap("ragged_paged_attention", logit_softcap)
+    validate_sinks("ragged_paged_attention", sinks, q.shape[1])
     num_seqs = jnp.reshape(num_seqs, ())
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     resolved = resolve_backend(backend, "ragged_paged_attention")
     if resolved == "xla":
-        return reference(
-            q,
-            k_pages,
-            v_pages,
-            block_tables,
-            kv_lens,
-            cu_q_lens,
-            num_seqs,
-            sm_scale=sm_scale,
-            k_scales=k_scales,
-            v_scales=v_scales,
-            window=window,
-        ).astype(q.dtype)
+        kw = dict(sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales, window=window, logit_softcap=logit_softcap)
+        args = (q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs)
+        return paged_attention_xla.ragged_attention(*args, **kw, sinks=sinks).astype(q.dtype)
     if resolved == "mosaic_gpu":
         raise ValueError("ragged_paged_attention: no mosaic_gpu kernel yet; use backend='triton'")
     if not _is_pow2(q.shape[-1]) or q.shape[-1] < 16:
@@ -449,19 +448,12 @@ def ragged_paged_attention(
             f"ragged_paged_attention: the Pallas kernel needs a power-of-2 head_dim >= 16, got {q.shape[-1]}"
         )
     return _ragged_pallas(
-        q,
-        k_pages,
-        v_pages,
-        block_tables,
-        kv_lens,
-        cu_q_lens,
-        num_seqs,
-        k_scales,
-        v_scales,
+        *(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales, sinks),
         sm_scale=sm_scale,
         config=config,
         interpret=resolved == "interpret",
         window=window,
+        softcap=logit_softcap,
     )
 
 
@@ -480,6 +472,8 @@ def reference(
     backend=None,
     token_chunk: int = 64,
     window=None,
+    logit_softcap=None,
+    sinks=None,
 ):
     """Plain-jnp float32 ragged attention; gathers each token's page list, `token_chunk` tokens at a time."""
     del backend
@@ -508,8 +502,13 @@ def reference(
         v = jnp.where(valid[None, :, :, None], v, 0.0)
         qg = q_c.astype(jnp.float32).reshape(len(seq_c), num_kv_heads, group, head_dim)
         logits = jnp.einsum("chgd,hcld->chgl", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
+        logits = softcap_scores(logits, logit_softcap)
         logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
-        p = jax.nn.softmax(logits, axis=-1)
+        p = (
+            jax.nn.softmax(logits, axis=-1)
+            if sinks is None
+            else softmax_with_sinks(logits, sinks.reshape(num_kv_heads, group))
+        )
         return jnp.einsum("chgl,hcld->chgd", p, v, precision=jax.lax.Precision.HIGHEST)
 
     chunk = min(token_chunk, num_tokens)

@@ -78,19 +78,44 @@ def check_parallel(parallel: ParallelConfig, model_cfg, num_devices: int) -> Non
         raise ValueError(f"expert_parallel_size={p.ep} does not divide num_experts={experts} of {name}")
 
 
-def check_pipeline(cfg, stages: int) -> None:
-    """Refuses a model whose layers cannot be split into `stages` equal pipeline stages (model/pipeline.py).
+def stage_sizes(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per pipeline stage, as even as possible (vLLM's get_pp_indices): L // p each, and the L % p extra
+    layers one each to the stages before the last, from the second-to-last backwards (the last stage also runs the
+    final norm and the LM head). 30 layers in 4 stages: (7, 8, 8, 7)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"pipeline_parallel_size={stages} must be in 1..num_layers={num_layers}")
+    base, extra = divmod(num_layers, stages)
+    sizes = [base] * stages
+    for i in range(2, extra + 2):
+        sizes[-i] += 1
+    return tuple(sizes)
 
-    Every stage runs the same sequence of layer kinds (window, RoPE base), so one stage program serves all.
+
+def stage_starts(num_layers: int, stages: int) -> tuple[int, ...]:
+    """The first global layer of each stage."""
+    sizes = stage_sizes(num_layers, stages)
+    return tuple(sum(sizes[:s]) for s in range(stages))
+
+
+def check_pipeline(cfg, stages: int) -> None:
+    """Refuses a model whose layers cannot be split into `stages` pipeline stages (model/pipeline.py): as many
+    stages as layers at most, split as evenly as possible (model/pipeline.py `stage_sizes`).
+
+    Every stage runs the same sequence of layer kinds (window, RoPE base and scaling), so one stage program serves
+    all: layer start_s + l of each stage must be of layer l's kind.
     """
     name = getattr(cfg, "name", "the model")
-    if cfg.num_layers % stages:
-        raise ValueError(f"pipeline_parallel_size={stages} does not divide num_layers={cfg.num_layers} of {name}")
-    n = cfg.num_layers // stages
-    for i in range(cfg.num_layers):
-        if (cfg.layer_window(i), cfg.layer_rope_theta(i)) != (cfg.layer_window(i % n), cfg.layer_rope_theta(i % n)):
+    if not 1 <= stages <= cfg.num_layers:
+        raise ValueError(f"pipeline_parallel_size={stages} exceeds num_layers={cfg.num_layers} of {name}")
+    sizes, starts = stage_sizes(cfg.num_layers, stages), stage_starts(cfg.num_layers, stages)
+
+    def kind(i):
+        return cfg.layer_window(i), cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i)
+
+    for start, size in zip(starts, sizes):
+        if any(kind(start + l) != kind(l) for l in range(size)):
             raise ValueError(
-                f"pipeline_parallel_size={stages}: the {n}-layer stages of {name} would differ in their layer "
+                f"pipeline_parallel_size={stages}: the stages {sizes} of {name} would differ in their layer "
                 "windows / RoPE bases (the pattern must repeat within a stage)"
             )
     if getattr(cfg, "num_experts", 0):

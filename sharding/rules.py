@@ -83,6 +83,12 @@ LAYER_PARAM_AXES: dict[str, LogicalAxes] = {
     "shared_w_gate": ("embed", "mlp"),  # [D, Fs]
     "shared_w_up": ("embed", "mlp"),  # [D, Fs]
     "shared_w_down": ("mlp", "embed"),  # [Fs, D]
+    # gpt-oss: attention sinks and output bias, the router's and the routed experts' biases.
+    "sinks": ("q_heads",),  # [Hq]
+    "bo": ("embed",),  # [D]
+    "b_router": ("router",),  # [E]
+    "b_gate_up": ("experts", "expert_mlp"),  # [E, 2F]
+    "b_experts_down": ("experts", "embed"),  # [E, D]
 }
 
 KV_PAGES_AXES: LogicalAxes = ("kv_heads", None, None, None)  # k/v pages [Hkv, num_pages, page_size, hd]
@@ -183,6 +189,19 @@ def param_shardings(
         on = mesh if layer is None or len(stages) == 1 else stages[layer * len(stages) // num_layers]
         out[name] = NamedSharding(on, param_partition_spec(name, getattr(x, "shape", x), on, head_dim=head_dim))
     return out
+
+
+def quantized_expert_sharding(value: Any, sharding: Any) -> Any:
+    """Shardings of the leaves of a quantised stacked-experts weight (model/quant.py QuantizedArray, every leaf
+    [E, ...]: codes, scales, zero points), each split over E as `sharding` (the float [E, K, N] weight's, from
+    LAYER_PARAM_AXES "experts") splits it, so every device holds the codes and scales of its own experts; None
+    for anything else (dense quantised projections are replicated, model/transformer.py `_place`)."""
+    values = getattr(value, "values", None)
+    spec = tuple(getattr(sharding, "spec", ()))
+    if values is None or values.ndim != 3 or not spec or spec[0] is None or any(a is not None for a in spec[1:]):
+        return None
+    split = NamedSharding(sharding.mesh, PartitionSpec(spec[0]))
+    return jax.tree.map(lambda _: split, value)
 
 
 def stage_meshes(mesh: Mesh) -> list[Mesh]:
