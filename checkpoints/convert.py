@@ -3,8 +3,8 @@
     python -m checkpoints.convert --src model.gguf --dst /ckpt/model [--dtype bfloat16] [--overwrite]
         [--mesh tp=4,pp=2] [--quantize int4_awq --calibration_file text.txt]
 
-Load (per-tensor progress on stderr) -> cast each tensor to --dtype in place (progress again) -> orbax save with
-config.json and the tokenizer files. Errors in flags or paths print one `convert: error: ...` line and exit 1.
+Read every tensor (progress on stderr: "reading i/n") -> cast each to --dtype ("casting") -> quantise or shard
+when asked -> Orbax save with config.json and the tokenizer files ("saving n tensors ... to DST", then "saved"). Errors in flags or paths print one `convert: error: ...` line and exit 1.
 
 --mesh writes the checkpoint sharded for that mesh (degrees dp/tp/pp/ep of sharding/config.py; the first
 tp * pp * ... devices of this host, e.g. CPU devices from --xla_force_host_platform_device_count): each tensor
@@ -13,8 +13,9 @@ every shard from the device that holds it. `orbax_io.restore(dst, mesh=other)` r
 reads only the byte ranges of its own shards, so a checkpoint saved at tp=4 restores at tp=2 (or on one device)
 without the model ever existing whole on one device. The pipeline axis splits nothing yet (layers replicated).
 
---quantize FORMAT (serving/config.py QUANTIZATIONS) quantises every linear projection as `LLM(quantization=...)`
-does at load (serving/engine/quantize.py; calibrated methods read --calibration_file, default a built-in text) and
+--quantize FORMAT (model/quant_formats.py QUANTIZATIONS) quantises every linear projection as
+`LLM(quantization=...)` does at load (model/quantize_model.py; calibrated methods read --calibration_file: a .txt,
+a JSONL with a "text" field per line or a directory of them; default the text of model/calibration/) and
 stores the QuantizedArrays (orbax_io: quantization.json + their arrays), so loading the result re-quantises nothing.
 """
 
@@ -34,10 +35,10 @@ from checkpoints.loader import load_checkpoint
 
 
 def _quantize(config, params, tokenizer, method: str, calibration_file: str | None, dtype) -> dict:
-    """The params with every linear projection a QuantizedArray of `method` (serving/engine/quantize.py)."""
+    """The params with every linear projection a QuantizedArray of `method` (model/quantize_model.py)."""
     from model.quant import QuantizedArray
+    from model.quantize_model import quantize_model
     from model.transformer import build_model, model_params
-    from serving.engine.quantize import quantize_model
 
     model = build_model(config, params, jnp.float32 if dtype is None else dtype)
     names = quantize_model(model, method, tokenizer, calibration_file=calibration_file)
@@ -100,12 +101,19 @@ class Progress:
 
 
 def _load(src: str, dtype: Any) -> tuple[Any, dict[str, np.ndarray], Any]:
-    """(config, params, tokenizer) from any supported source; HF tensors are cast while they are read."""
+    """(config, params, tokenizer) from any supported source, every tensor read once, here, with its progress line
+    (a loader's params read lazily: left so, saving would read them, under a progress line that says "loading").
+    HF tensors are cast while they are read."""
     if os.path.isdir(src) and hf.is_hf_dir(src):
-        config, params = hf.load_hf(src, dtype=dtype, progress=Progress("loading"))
+        config, params = hf.load_hf(src, dtype=dtype, progress=Progress("reading"))
         return config, params, hf.load_hf_tokenizer(src)
-    checkpoint = load_checkpoint(src, progress=Progress("loading"))
-    return checkpoint.config, checkpoint.params, checkpoint.tokenizer
+    checkpoint = load_checkpoint(src)
+    lazy, progress = checkpoint.params, Progress("reading")
+    params = {}
+    for i, name in enumerate(list(lazy)):
+        params[name] = lazy[name]
+        progress(i + 1, len(lazy), name)
+    return checkpoint.config, params, checkpoint.tokenizer
 
 
 def convert(
@@ -154,7 +162,7 @@ def convert(
 
 
 def _check_quantize(quantize: str | None, calibration_file: str | None, mesh: str | None) -> None:
-    from serving.config import CALIBRATED_QUANTIZATIONS, QUANTIZATIONS
+    from model.quant_formats import CALIBRATED_QUANTIZATIONS, QUANTIZATIONS
 
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise ValueError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}; got {quantize!r}")
@@ -162,8 +170,8 @@ def _check_quantize(quantize: str | None, calibration_file: str | None, mesh: st
         raise ValueError("--calibration_file needs --quantize")
     if calibration_file is not None and quantize not in CALIBRATED_QUANTIZATIONS:
         raise ValueError(f"--calibration_file is for --quantize {', '.join(CALIBRATED_QUANTIZATIONS)}, not {quantize}")
-    if calibration_file is not None and not os.path.isfile(calibration_file):
-        raise ValueError(f"--calibration_file {calibration_file!r} is not a file")
+    if calibration_file is not None and not os.path.exists(calibration_file):
+        raise ValueError(f"--calibration_file {calibration_file!r} does not exist")
     if quantize is not None and mesh is not None:
         raise ValueError("--quantize with --mesh is not supported yet (quantised weights are stored unsharded)")
 

@@ -10,8 +10,9 @@ the tokenizer exactly as HF transformers does for the same file (integrations/gg
     model   BPE with byte fallback (<0x..> tokens), unknown <unk>; normalizer " " -> "▁", no prefix space
     added   control tokens (type 3) special; user-defined ones (type 4, e.g. "\\n") plain added tokens
 
-The file carries no chat template, so Gemma 3's own (the tokenizer_config.json of the instruction-tuned
-releases) is used: GEMMA3_CHAT_TEMPLATE.
+GEMMA3_CHAT_TEMPLATE is Gemma 3's chat template (the tokenizer_config.json of the instruction-tuned releases). The
+base 270M GGUF carries none and gets none (chat on it is refused); pass this one to an instruction-tuned Gemma 3 whose
+file lacks it.
 """
 
 from __future__ import annotations

@@ -90,3 +90,47 @@ def to_quantized(data, type_name: str, shape_ne: tuple[int, int], row_permute=No
     scale = np.where(flat, np.float32(1.0), d)
     zero = np.where(flat, -m, -m / scale).astype(np.float32)
     return QuantizedArray(values, jnp.asarray(scale.T), jnp.asarray(zero.T), fmt="int4", group_size=BLOCK)
+
+
+def dequantize(data: np.ndarray, type_name: str, chunk_blocks: int = 1 << 15) -> np.ndarray:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's bytes [..., row bytes] -> float32 [..., row length], bit for bit what the
+    `gguf` package's dequantize returns (the same float32 products and sums), a few times faster: whole chunks of
+    blocks at a time, written in place into one output buffer."""
+    if type_name not in QUANTIZED_TYPES:
+        raise ValueError(f"ggml type {type_name}: not one of {sorted(QUANTIZED_TYPES)}")
+    raw = np.asarray(data, np.uint8)
+    nbytes = _BLOCK_BYTES[type_name]
+    if raw.shape[-1] % nbytes:
+        raise ValueError(f"{type_name} rows of {raw.shape[-1]} bytes, not a multiple of {nbytes}")
+    blocks = np.ascontiguousarray(raw).reshape(-1, nbytes)
+    out = np.empty((blocks.shape[0], BLOCK), np.float32)
+    for i in range(0, blocks.shape[0], chunk_blocks):
+        b, o = blocks[i : i + chunk_blocks], out[i : i + chunk_blocks]
+        d = _f16(b[:, 0:2])[:, None]
+        if type_name == "Q8_0":
+            o[:] = b[:, 2:].view(np.int8)
+            o *= d
+            continue
+        qs = b[:, 4:] if type_name == "Q4_1" else b[:, 2:]
+        np.bitwise_and(qs, 0xF, out=o[:, : BLOCK // 2], casting="unsafe")
+        np.right_shift(qs, 4, out=o[:, BLOCK // 2 :], casting="unsafe")
+        if type_name == "Q4_0":
+            o -= np.float32(8)
+        o *= d
+        if type_name == "Q4_1":
+            o += _f16(b[:, 2:4])[:, None]
+    return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * BLOCK)
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """A GGUF tensor (checkpoints/gguf_file.py) as float32: Q8_0 / Q4_0 / Q4_1 by `dequantize` (bit-identical and
+    faster), the other ggml types (F16, BF16, K-quants, MXFP4, ...) by the `gguf` package."""
+    from gguf import quants
+
+    if tensor.tensor_type.name in QUANTIZED_TYPES:
+        return dequantize(tensor.data, tensor.tensor_type.name)
+    try:
+        data = quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"tensor {tensor.name}: ggml type {tensor.tensor_type.name} is not supported") from e
+    return np.asarray(data, dtype=np.float32)

@@ -1,6 +1,6 @@
-"""Hugging Face safetensors checkpoints (Llama / Mistral / Qwen2, MoE: Mixtral / Qwen2-MoE) -> canonical params.
+"""Hugging Face safetensors checkpoints -> canonical params, for every architecture of checkpoints/architectures.py.
 
-Data flow: config.json -> `config_from_hf` -> ModelConfig; then every tensor named in
+Data flow: config.json -> `config_from_hf` (checkpoints/architectures.py) -> ModelConfig; then every tensor named in
 model.safetensors.index.json (or found in the *.safetensors files when there is no index) is read one at a time
 with safetensors' numpy API (by `lazy_hf` only when a model build asks for it), renamed to its canonical name
 (docs/ARCHITECTURE.md) and, for linear layers, transposed from HF's `[out, in]` to our `[in, out]`. bfloat16
@@ -16,6 +16,14 @@ the routed experts are stored one tensor per expert and projection and are assem
     Qwen2-MoE  mlp.gate.weight, mlp.experts.e.{gate,up,down}_proj.weight (the same way),
                mlp.shared_expert.{gate,up,down}_proj.weight -> shared_w_*, mlp.shared_expert_gate.weight [1, D]
                -> shared_gate [D, 1]
+    Qwen3-MoE  as Qwen2-MoE, without the shared expert
+
+gpt-oss stores each layer's experts as whole [E, ...] tensors (gate / up interleaved, with biases), in MXFP4 as
+OpenAI publishes them: checkpoints/gpt_oss_hf.py reads them, MXFP4 dequantised at load.
+
+Fused tensors (Phi-3) are split by output rows on read, each part read alone (safetensors slices):
+
+    self_attn.qkv_proj.weight [q + 2 kv, D] -> wq | wk | wv;  mlp.gate_up_proj.weight [2F, D] -> w_gate | w_up
 """
 
 from __future__ import annotations
@@ -31,49 +39,19 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
+from checkpoints import gpt_oss_hf
+from checkpoints.architectures import LLAMA_LAYER_TENSORS, MOE_TENSORS, Architecture, architecture_of, config_from_hf
 from checkpoints.gguf import expected_shapes  # Canonical name -> shape, shared by every loader.
 from checkpoints.lazy import LazyParams
-from model.config import ModelConfig, RopeScaling
+from model.config import ModelConfig
+
+__all__ = ["config_from_hf", "lazy_hf", "load_hf", "load_hf_tokenizer", "is_hf_dir", "canonical_name"]
 
 _log = logging.getLogger(__name__)
 
-# Architecture -> whether q/k/v projections always carry a bias. Llama and Mistral read `attention_bias` from
-# config.json instead (default False).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-    "MixtralForCausalLM": False,
-    "Qwen2MoeForCausalLM": True,
-}
-
 _INDEX_FILE = "model.safetensors.index.json"
-
-# HF per-layer suffix -> (canonical suffix, transpose [out, in] -> [in, out]).
-_LAYER_TENSORS = {
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-    "input_layernorm.weight": ("attn_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-}
-_LAYER_TENSORS.update(
-    {
-        "block_sparse_moe.gate.weight": ("w_router", True),
-        "mlp.gate.weight": ("w_router", True),
-        "mlp.shared_expert.gate_proj.weight": ("shared_w_gate", True),
-        "mlp.shared_expert.up_proj.weight": ("shared_w_up", True),
-        "mlp.shared_expert.down_proj.weight": ("shared_w_down", True),
-        "mlp.shared_expert_gate.weight": ("shared_gate", True),
-    }
-)
+# The Llama layout with the MoE names (`canonical_name` without an architecture).
+_LAYER_TENSORS = {**LLAMA_LAYER_TENSORS, **MOE_TENSORS}
 # Per-expert HF suffix -> (canonical suffix, which part): gate / up fill w_gate_up's column halves, down w_experts_down.
 _EXPERT_RE = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PARTS = {
@@ -94,15 +72,33 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def canonical_name(hf_name: str) -> tuple[str, bool] | None:
-    """Maps an HF tensor name to (canonical name, transpose?), or None when the name is not a known weight."""
+def canonical_name(hf_name: str, arch: Architecture | None = None) -> tuple[str, bool] | None:
+    """Maps an HF tensor name to (canonical name, transpose?) under `arch` (default Llama's layout, with the MoE
+    names), or None when the name is not a known weight of it."""
     if hf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[hf_name]
+    layer_tensors = arch.layer_tensors if arch is not None else _LAYER_TENSORS
     match = _LAYER_RE.fullmatch(hf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        suffix, transpose = _LAYER_TENSORS[match.group(2)]
+    if match and match.group(2) in layer_tensors:
+        suffix, transpose = layer_tensors[match.group(2)]
         return f"layers.{match.group(1)}.{suffix}", transpose
     return None
+
+
+def split_parts(hf_name: str, arch: Architecture, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """A fused HF tensor (Phi-3's qkv_proj, gate_up_proj) -> [(canonical name, first row, end row)] of its
+    [out, in] rows, or None when `hf_name` is not one."""
+    match = _LAYER_RE.fullmatch(hf_name)
+    parts = arch.splits.get(match.group(2)) if match else None
+    if parts is None:
+        return None
+    widths = {"wq": config.q_size, "wk": config.kv_size, "wv": config.kv_size}
+    out, row = [], 0
+    for part in parts:
+        width = widths.get(part, config.intermediate_size)
+        out.append((f"layers.{match.group(1)}.{part}", row, row + width))
+        row += width
+    return out
 
 
 def expert_part(hf_name: str) -> tuple[str, int, str] | None:
@@ -113,114 +109,6 @@ def expert_part(hf_name: str) -> tuple[str, int, str] | None:
         return None
     suffix, part = _EXPERT_PARTS[sub.group(2)]
     return f"layers.{match.group(1)}.{suffix}", int(sub.group(1)), part
-
-
-# Config ------------------------------------------------------------------------------------------------------------
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """Reads rope_theta and Llama-3 scaling from either transformers-4 or transformers-5 config layouts.
-
-    transformers 5 moves both into `rope_parameters`; transformers 4 keeps `rope_theta` top-level and scaling in
-    `rope_scaling` (with the type under `rope_type`, or `type` in older files).
-    """
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; only 'llama3' and 'default' are supported")
-    defaults = RopeScaling()
-    scaling = RopeScaling(
-        factor=float(params.get("factor", defaults.factor)),
-        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
-        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
-        ),
-    )
-    return theta, scaling
-
-
-def config_from_hf(hf: dict[str, Any], name: str = "hf") -> ModelConfig:
-    """Builds a ModelConfig from a parsed HF config.json.
-
-    Args:
-        hf: the parsed config.json.
-        name: ModelConfig.name, for messages.
-
-    Returns:
-        The model configuration.
-
-    Raises:
-        ValueError: unsupported architecture, activation or RoPE scaling, or missing required fields.
-    """
-    archs = hf.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(
-            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {act!r}; only silu-gated MLPs are supported")
-    missing = [
-        k
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        if k not in hf
-    ]
-    if missing:
-        raise ValueError(f"config.json lacks required field(s) {missing}")
-    window = None
-    if hf.get("sliding_window") and hf.get("use_sliding_window", arch == "MistralForCausalLM"):
-        window = int(hf["sliding_window"])  # Mistral-style: every layer windowed (ModelConfig.sliding_window)
-    theta, scaling = _rope(hf)
-    heads = int(hf["num_attention_heads"])
-    eos = hf.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    bos = hf.get("bos_token_id")
-    return _moe_config(hf, arch).replace(
-        name=name,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=SUPPORTED_ARCHITECTURES[arch] or bool(hf.get("attention_bias", False)),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=eos_ids,
-        sliding_window=window,
-    )
-
-
-def _moe_config(hf: dict[str, Any], arch: str) -> ModelConfig:
-    """A ModelConfig holding only the MoE fields of a Mixtral / Qwen2-MoE config.json (the default one for dense)."""
-    if arch == "MixtralForCausalLM":
-        return ModelConfig(
-            num_experts=int(hf.get("num_local_experts", 8)),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
-            moe_intermediate_size=int(hf["intermediate_size"]),
-            norm_topk_prob=True,
-        )
-    if arch != "Qwen2MoeForCausalLM":
-        return ModelConfig()
-    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
-        raise ValueError("Qwen2-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported")
-    return ModelConfig(
-        num_experts=int(hf["num_experts"]),
-        num_experts_per_tok=int(hf["num_experts_per_tok"]),
-        moe_intermediate_size=int(hf["moe_intermediate_size"]),
-        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-    )
 
 
 # Tensors -----------------------------------------------------------------------------------------------------------
@@ -258,34 +146,48 @@ def _stored_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _read_one(fn: str, hf_name: str, transpose: bool, dtype: Any) -> np.ndarray:
-    """One tensor, in canonical layout and (when given) `dtype`."""
+def _read_one(fn: str, hf_name: str, transpose: bool, dtype: Any, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """One tensor (or its [out, in] rows `rows` of a fused one), in canonical layout and (when given) `dtype`."""
     with safe_open(fn, framework="numpy") as f:
-        array = f.get_tensor(hf_name)
+        array = f.get_tensor(hf_name) if rows is None else f.get_slice(hf_name)[rows[0] : rows[1]]
     if transpose:
         array = np.ascontiguousarray(array.T)
     return array if dtype is None else array.astype(dtype, copy=False)
 
 
-def _wanted(path: str, config: ModelConfig, files: dict[str, str]) -> dict[str, tuple[str, bool]]:
-    """HF name -> (canonical name, transpose?) of every tensor the config needs; unknown or missing ones raise."""
+# HF name -> [(canonical name, transpose?, [out, in] rows of a fused tensor or None)].
+_Wanted = dict[str, list[tuple[str, bool, tuple[int, int] | None]]]
+
+
+def _wanted(path: str, arch: Architecture, config: ModelConfig, files: dict[str, str]) -> _Wanted:
+    """Every tensor the config needs, by HF name; unknown or missing ones raise."""
+    known = {n: canonical_name(n, arch) for n in files}
+    splits = {n: split_parts(n, arch, config) for n in files}
     unknown = sorted(
-        n for n in files if canonical_name(n) is None and expert_part(n) is None and not _IGNORED_RE.fullmatch(n)
+        n
+        for n in files
+        if known[n] is None
+        and splits[n] is None
+        and (arch.moe is None or expert_part(n) is None)
+        and (arch.moe != "gpt_oss" or gpt_oss_hf.expert_tensor(n) is None)
+        and not _IGNORED_RE.fullmatch(n)
     )
     if unknown:
         raise ValueError(
-            f"unexpected tensor(s) for {config.name} (unsupported variant?): {unknown[:8]}"
+            f"unexpected tensor(s) for {config.name} ({arch.hf_name}; unsupported variant?): {unknown[:8]}"
             + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
         )
     shapes = expected_shapes(config)
     # A tied model may still store lm_head.weight; names outside `shapes` are skipped, not read.
-    wanted: dict[str, tuple[str, bool]] = {}
+    wanted: _Wanted = {}
     for hf_name in files:
-        mapped = canonical_name(hf_name)
-        if mapped is not None and mapped[0] in shapes:
-            wanted[hf_name] = mapped
+        if known[hf_name] is not None and known[hf_name][0] in shapes:
+            wanted[hf_name] = [(*known[hf_name], None)]
+        elif splits[hf_name] is not None:
+            wanted[hf_name] = [(name, True, (lo, hi)) for name, lo, hi in splits[hf_name]]
     experts = {part[0] for n in files if (part := expert_part(n)) is not None}
-    missing = sorted(set(shapes) - {c for c, _ in wanted.values()} - experts)
+    experts |= gpt_oss_hf.canonical_names(files) if arch.moe == "gpt_oss" else set()
+    missing = sorted(set(shapes) - {c for parts in wanted.values() for c, _, _ in parts} - experts)
     if missing:
         raise ValueError(
             f"checkpoint {path} lacks tensor(s) {missing[:8]}"
@@ -305,23 +207,32 @@ def lazy_hf(
     if not os.path.isfile(config_path):
         raise ValueError(f"{path} is not an HF checkpoint directory (no config.json)")
     with open(config_path) as f:
-        config = config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+        hf_config = json.load(f)
+    arch = architecture_of(hf_config)
+    config = config_from_hf(hf_config, name=os.path.basename(os.path.normpath(path)))
     files = _weight_files(path)
-    wanted = _wanted(path, config, files)
+    wanted = _wanted(path, arch, config, files)
     stored = _stored_shapes({n: files[n] for n in wanted})
     expected = expected_shapes(config)
     loaders, shapes = {}, {}
-    for hf_name, (name, transpose) in wanted.items():
-        shape = stored[hf_name][::-1] if transpose else stored[hf_name]
-        if shape != expected[name]:
-            raise ValueError(
-                f"tensor {hf_name} has shape {shape} after layout change; expected {expected[name]} for {name}"
-            )
-        loaders[name] = functools.partial(_read_one, files[hf_name], hf_name, transpose, dtype)
-        shapes[name] = shape
+    for hf_name, parts in wanted.items():
+        if len(parts) > 1 and stored[hf_name][0] != parts[-1][2][1]:
+            raise ValueError(f"tensor {hf_name} has {stored[hf_name][0]} rows; expected {parts[-1][2][1]}")
+        for name, transpose, rows in parts:
+            shape = stored[hf_name] if rows is None else (rows[1] - rows[0], *stored[hf_name][1:])
+            shape = shape[::-1] if transpose else shape
+            if shape != expected[name]:
+                raise ValueError(
+                    f"tensor {hf_name} has shape {shape} after layout change; expected {expected[name]} for {name}"
+                )
+            loaders[name] = functools.partial(_read_one, files[hf_name], hf_name, transpose, dtype, rows)
+            shapes[name] = shape
     for name, parts in _expert_tensors(path, config, files).items():
         loaders[name] = functools.partial(_read_experts, parts, dtype)
         shapes[name] = expected[name]
+    if arch.moe == "gpt_oss":
+        for name, (loader, shape) in gpt_oss_hf.expert_loaders(path, config, files, dtype).items():
+            loaders[name], shapes[name] = loader, shape
     return config, LazyParams(loaders, shapes, progress)
 
 

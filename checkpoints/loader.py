@@ -177,8 +177,12 @@ def load_checkpoint(model: str | None = None, progress=None, *, quantized: bool 
     if quantized:
         raise ValueError(f"{path}: keeping a checkpoint's quantised codes (quantization='gguf') needs a .gguf file")
     if os.path.isfile(os.path.join(path, "config.json")) and glob.glob(os.path.join(path, "*.safetensors")):
+        from checkpoints.deepseek_hf import is_deepseek_dir, lazy_deepseek
         from checkpoints.hf import lazy_hf, load_hf_tokenizer
 
+        if is_deepseek_dir(path):  # MLA: model/deepseek.py's decoder, its own slots (checkpoints/deepseek_hf.py)
+            config, params = lazy_deepseek(path)
+            return Checkpoint(config, params, load_hf_tokenizer(path), path)
         config, params = lazy_hf(path, progress=progress)
         return Checkpoint(config, params, load_hf_tokenizer(path), path)
     from checkpoints import orbax_io

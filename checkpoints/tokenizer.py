@@ -8,6 +8,7 @@ tokenizer without the GGUF.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from checkpoints.gemma_tokenizer import GEMMA3_CHAT_TEMPLATE, GEMMA_ARCHITECTURES, gemma_hf_tokenizer
+from checkpoints.gemma_tokenizer import GEMMA_ARCHITECTURES, gemma_hf_tokenizer
 
 _CONTROL = 3  # llama.cpp token type for control (special) tokens.
 _USER_DEFINED = 4
@@ -50,14 +51,15 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta, eos_token_ids: Sequence[int]) -> Tokenizer:
         """Rebuilds a GGUF `gpt2`-model (byte-level BPE) tokenizer with its special tokens, or a Gemma
-        SentencePiece one (checkpoints/gemma_tokenizer.py, with Gemma 3's chat template when the file has none)."""
+        SentencePiece one (checkpoints/gemma_tokenizer.py). The chat template is the file's own: a GGUF without one
+        (Gemma 3 270M, a base model) gets none, so chat is refused rather than rendered with an instruct template."""
         if meta.tokenizer_model == "llama" and meta.architecture in GEMMA_ARCHITECTURES:
             return cls(
                 hf=gemma_hf_tokenizer(meta.tokens, meta.token_types),
                 bos_token_id=None if meta.bos_token_id is None else int(meta.bos_token_id),
                 eos_token_ids=tuple(eos_token_ids),
                 add_bos=meta.add_bos_token,
-                chat_template=meta.chat_template or GEMMA3_CHAT_TEMPLATE,
+                chat_template=meta.chat_template,
             )
         if meta.tokenizer_model != "gpt2":
             raise ValueError(
@@ -90,7 +92,11 @@ class Tokenizer:
 
     @classmethod
     def from_hf_files(cls, tokenizer_json_path: str, tokenizer_config_json_path: str | None = None) -> Tokenizer:
-        """Loads tokenizer.json (and, if given, tokenizer_config.json for template, BOS/EOS and add_bos)."""
+        """Loads tokenizer.json (and, if given, tokenizer_config.json for template, BOS/EOS and add_bos).
+
+        The chat template is tokenizer_config.json's `chat_template`, else the chat_template.jinja file that newer
+        transformers save beside it; None when the checkpoint has neither (a base model: chat is refused).
+        """
         if not os.path.isfile(tokenizer_json_path):
             raise FileNotFoundError(f"tokenizer file not found: {tokenizer_json_path}")
         hf = HFTokenizer.from_file(tokenizer_json_path)
@@ -111,6 +117,10 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # HF allows named templates; take the default one.
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        jinja = os.path.join(os.path.dirname(tokenizer_json_path), "chat_template.jinja")
+        if not template and os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                template = f.read()
         return cls(
             hf=hf,
             bos_token_id=token_id(cfg.get("bos_token")),
@@ -138,6 +148,11 @@ class Tokenizer:
         }
         with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the checkpoint carries a chat template (chat without one is refused: a base model)."""
+        return bool(self.chat_template)
 
     # Encoding ----------------------------------------------------------------------------------------------------
 
@@ -245,10 +260,16 @@ def _raise(message: str):
 _TEMPLATES: dict[str, jinja2.Template] = {}
 
 
+def _strftime_now(fmt: str) -> str:
+    """Today's date / time in `fmt`, as transformers gives templates."""
+    return datetime.datetime.now().strftime(fmt)
+
+
 def _compile_template(source: str) -> jinja2.Template:
     if source not in _TEMPLATES:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now  # (gpt-oss's harmony template dates its system message)
         _TEMPLATES[source] = env.from_string(source)
     return _TEMPLATES[source]
 
