@@ -26,6 +26,7 @@ import difflib
 import os
 from typing import Any
 
+from model.quant_formats import CALIBRATED_QUANTIZATIONS, QUANTIZATIONS  # noqa: F401 - the options' names
 from sharding.config import ParallelConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -34,8 +35,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on an acce
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self", "medusa")
-QUANTIZATIONS = ("int8", "fp8", "w8a8_fp8", "w8a8_fp8_rtn", "w8a8_int8", "int4_awq", "int4_gptq", "int4_rtn")
-CALIBRATED_QUANTIZATIONS = ("fp8", "w8a8_fp8", "w8a8_int8", "int4_awq", "int4_gptq")  # the ones calibration_file feeds
 # "gguf": no quantisation at load; a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights stay as stored (int8 / int4 group 32)
 KEEP_GGUF = "gguf"
 QUANTIZATION_CHOICES = (*QUANTIZATIONS, KEEP_GGUF)
@@ -43,6 +42,7 @@ QUANTIZATION_CHOICES = (*QUANTIZATIONS, KEEP_GGUF)
 # TB/s of int4 bytes against XLA's dequantise-then-dot 0.27). W8A8 activations are quantised per call: not these.
 STREAM_LAYOUT_METHODS = ("int8", "fp8", "int4_rtn", "int4_awq", "int4_gptq")
 ATTENTION_BACKENDS = ("mosaic_gpu", "triton", "interpret", "xla")  # pallas_kernels.backend.BACKENDS
+CPU_MAX_NUM_SEQS = 16  # max_num_seqs left unset, where memory is not measured per device (serving/engine/kv_pool.py)
 
 
 def _not_supported_yet(option: str, value: Any) -> None:
@@ -141,32 +141,44 @@ class SchedulerConfig:
     """Continuous batching.
 
     Attributes:
-        max_num_seqs: most sequences running together.
+        max_num_seqs: most sequences running together; None: chosen by the engine from the accelerator's memory and
+            the model (serving/engine/kv_pool.py default_max_num_seqs: the sequences of 2,048 tokens the KV pool
+            holds, 16 to 1,024), 16 on a CPU host.
         max_num_batched_tokens: token budget of one engine step; at least max_num_seqs, since every running
-            sequence needs one token of it per decode step.
+            sequence needs one token of it per decode step. None: max(max_num_seqs, 2,048) on an accelerator,
+            max(max_num_seqs, 256) on a CPU host.
         enable_prefix_caching: share the KV of common prompt prefixes (radix cache).
         policy: "fcfs" (arrival order) or "priority" (lower priority value first).
-        decode_steps: decode iterations per on-device loop when no request needs the host between tokens.
+        decode_steps: decode iterations per on-device loop when no request needs the host between tokens. None: 1
+            on a CPU host (every token streamed when its step ends) and 8 on an accelerator, where one step per
+            token still costs 1.5-1.8x the time per token of 8-step loops (BENCHMARKS.md, decode latency).
         async_scheduling: launch the next decode loop before the host applies the current one, so the device
             does not wait while the host postprocesses (serving/engine/decode_loop.py); results are identical.
         max_prefill_tokens_while_decoding: prompt tokens one step carries in all while sequences decode (0: the
             whole max_num_batched_tokens). A step with an 8,192-token chunk takes ~250 ms at 8B shape on an H200 and
             every decoding sequence waits for it; a cap of a few hundred bounds inter-token latency under load at
             the cost of slower prompt intake.
+        prefill_share_while_waiting: the share of a step's token budget one running prompt's chunk may take while
+            requests wait to start (1.0: all of it). A long prompt then leaves room in every step for the prompts
+            that arrive behind it, instead of holding them until its whole prefill is done.
     """
 
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
-    decode_steps: int = 8
+    decode_steps: int | None = None
     async_scheduling: bool = True
     max_prefill_tokens_while_decoding: int = 0
+    prefill_share_while_waiting: float = 0.5
 
     def __post_init__(self):
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        if None not in (self.max_num_seqs, self.max_num_batched_tokens) and (
+            self.max_num_batched_tokens < self.max_num_seqs
+        ):
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
                 "a step could not give every running sequence its decode token"
@@ -175,14 +187,22 @@ class SchedulerConfig:
             isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching, "a bool"
         )
         _check_choice("policy", self.policy, POLICIES)
-        _check_int("decode_steps", self.decode_steps, 1)
+        if self.decode_steps is not None:
+            _check_int("decode_steps", self.decode_steps, 1)
         _check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "a bool")
         _check_int("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, 0)
+        share = self.prefill_share_while_waiting
+        _check(
+            isinstance(share, (int, float)) and not isinstance(share, bool) and 0.0 < share <= 1.0,
+            "prefill_share_while_waiting",
+            share,
+            "a number in (0, 1]",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (serving/engine/speculate.py); off by default.
+    """Speculative decoding (serving/spec/verify.py); off by default.
 
     Attributes:
         method: None (off), "ngram" (prompt lookup), "draft" (a draft model sharing the tokenizer), "self" (the
@@ -193,9 +213,9 @@ class SpeculativeConfig:
         speculative_model: the draft model's path (method "draft"), or the heads checkpoint directory (method
             "medusa"; read when the engine starts).
         speculative_batch_threshold: speculate only while fewer than this many sequences run (k shrinks
-            geometrically on the way there, serving/core/spec_policy.py); 0: at any batch size.
+            geometrically on the way there, serving/spec/policy.py); 0: at any batch size.
         speculative_draft_layers: layers of the target the "self" draft runs (0: half of them; method "self" only).
-        device_loop: draft, verify and accept inside the on-device decode loop (serving/engine/spec_loop.py) when
+        device_loop: draft, verify and accept inside the on-device decode loop (serving/spec/device_loop.py) when
             every row could loop; False: one host round trip per verify pass.
     """
 
@@ -235,7 +255,8 @@ class QuantizationConfig:
             "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights kept as they are stored (int8 / int4 group 32,
             Q4_1's float zero points) instead of dequantised at load (the default SmolLM2 file is Q4_1).
         calibration_file: text whose activations calibrate AWQ / GPTQ / SmoothQuant and the fp8 weights of fp8 /
-            w8a8_fp8 (None: a small built-in text); int8, int4_rtn and w8a8_fp8_rtn need none.
+            w8a8_fp8: a .txt file, a .jsonl file (a "text" field per line) or a directory of them (None: the
+            mixed prose and code shipped in model/calibration/); int8, int4_rtn and w8a8_fp8_rtn need none.
         stream_layout: int8 / fp8 / int4_* only (STREAM_LAYOUT_METHODS): also store each quantised weight in the
             Hopper streaming kernel's [N, K] layout (pallas_kernels/stream_matmul_mgpu.py), which decode then runs
             on (int4 weights a checkpoint kept quantised, GGUF Q4_0 / Q4_1, too). On the H200 at Llama-3-8B shape
@@ -307,6 +328,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "decode_steps": ("scheduler", "decode_steps"),
     "async_scheduling": ("scheduler", "async_scheduling"),
     "max_prefill_tokens_while_decoding": ("scheduler", "max_prefill_tokens_while_decoding"),
+    "prefill_share_while_waiting": ("scheduler", "prefill_share_while_waiting"),
     "data_parallel_size": ("parallel", "dp"),
     "tensor_parallel_size": ("parallel", "tp"),
     "pipeline_parallel_size": ("parallel", "pp"),
@@ -385,6 +407,16 @@ class EngineConfig:
         """The flat options; `EngineConfig.from_kwargs(**c.to_kwargs()) == c`."""
         return {name: getattr(getattr(self, s), f) for name, (s, f) in FLAT_OPTIONS.items()}
 
+    def usable_kv_blocks(self, max_model_len: int) -> int:
+        """The default KV pool where free memory is not measured per device (a CPU host), capped there by
+        kv_cache_memory_fraction of the memory available (serving/engine/runner.py size_kv_pool): room for one
+        sequence of max_model_len tokens and a block for each other running sequence, plus the null page.
+
+        Not max_num_seqs x max_model_len: for SmolLM2 (16 x 8,192 tokens of float32 KV) that is 6 GB a host
+        would zero and hold for a 135M model. Sequences that outgrow this pool together are preempted and
+        recomputed (the scheduler); num_kv_blocks sets a larger pool."""
+        return -(-max_model_len // self.cache.block_size) + (self.scheduler.max_num_seqs or CPU_MAX_NUM_SEQS)
+
     def replace(self, **flat: Any) -> EngineConfig:
         """A copy with some flat options changed, validated again."""
         return EngineConfig.from_kwargs(**(self.to_kwargs() | flat))
@@ -414,6 +446,8 @@ class ServerConfig:
         keep_alive_s: an idle keep-alive connection is closed after this long.
         enable_docs: serve /docs, /redoc and /openapi.json.
         protect_metrics: /metrics needs the API key too (when one is set).
+        body_deadline_s: longest time for a whole request body (408 beyond); None: 4 x body_timeout_s.
+        stall_timeout_s: /health answers 503 once the engine loop has had work and made no progress this long.
     """
 
     host: str = "127.0.0.1"
@@ -429,6 +463,8 @@ class ServerConfig:
     keep_alive_s: float = 5.0
     enable_docs: bool = False
     protect_metrics: bool = False
+    body_deadline_s: float | None = None
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self):
         _check(_is_int(self.port) and 0 <= self.port <= 65535, "port", self.port, "in [0, 65535]")
@@ -436,5 +472,7 @@ class ServerConfig:
         _check(self.drain_timeout_s >= 0, "drain_timeout_s", self.drain_timeout_s, ">= 0")
         _check_choice("log_level", self.log_level, ("debug", "info", "warning", "error"))
         _check_int("max_body_bytes", self.max_body_bytes, 1)
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "stall_timeout_s"):
             _check(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+        if self.body_deadline_s is not None:
+            _check(self.body_deadline_s > 0, "body_deadline_s", self.body_deadline_s, "> 0")

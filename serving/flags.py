@@ -4,7 +4,7 @@ benchmarks/bench.py): one flag per EngineConfig option, named as the option, def
     flags  --engine_config_from_flags()-->  EngineConfig.from_kwargs(...)  (validates; ValueError names the flag)
 
 Flags carry no bounds of their own: EngineConfig validates every value, once. Importing this module defines the
-flags, so a binary imports it before absl parses argv.
+flags, so a binary imports it before absl parses argv; it also makes the binary's --help list them and exit 0.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 
 from absl import flags
 
+from serving.cli import install_help_flag
 from serving.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -45,7 +46,11 @@ flags.DEFINE_integer("max_num_seqs", _D.max_num_seqs, "most sequences decoded to
 flags.DEFINE_integer("max_num_batched_tokens", _D.max_num_batched_tokens, "token budget of one engine step")
 flags.DEFINE_bool("enable_prefix_caching", _D.enable_prefix_caching, "share KV of common prompt prefixes")
 flags.DEFINE_enum("policy", _D.policy, list(POLICIES), "admission order: arrival (fcfs) or request priority")
-flags.DEFINE_integer("decode_steps", _D.decode_steps, "decode steps per on-device loop when no request needs the host")
+flags.DEFINE_integer(
+    "decode_steps",
+    _D.decode_steps,
+    "decode steps per on-device loop when no request needs the host (default: 1 on a CPU host, 8 on an accelerator)",
+)
 flags.DEFINE_bool(
     "async_scheduling", _D.async_scheduling, "launch the next decode loop before the host applies the current one"
 )
@@ -53,6 +58,11 @@ flags.DEFINE_integer(
     "max_prefill_tokens_while_decoding",
     _D.max_prefill_tokens_while_decoding,
     "prompt tokens one step carries while sequences decode (0: the whole budget); bounds inter-token latency",
+)
+flags.DEFINE_float(
+    "prefill_share_while_waiting",
+    _D.prefill_share_while_waiting,
+    "share of a step's token budget one running prompt may take while requests wait to start (1.0: all of it)",
 )
 # Parallelism
 flags.DEFINE_integer("data_parallel_size", _D.parallel.dp, "data-parallel engine replicas")
@@ -97,7 +107,7 @@ flags.DEFINE_string(
 flags.DEFINE_boolean(
     "quantized_stream_layout",
     _D.quantization.stream_layout,
-    "int8 / fp8 / int4_*: also keep the weights in the Hopper streaming kernel's layout (faster decode, 2x weights)",
+    "int4_*: also keep the weights in the Hopper streaming kernel's layout (2x weights); int8 / fp8 are stored in it on one Hopper GPU",
 )
 # Runtime
 flags.DEFINE_enum(
@@ -114,6 +124,9 @@ flags.DEFINE_string(
 )
 
 ENGINE_FLAGS = tuple(FLAT_OPTIONS)
+
+# --help lists the binary's flags and these (absl's would list the binary's alone, and exit 1)
+install_help_flag((__name__,))
 
 
 def engine_flag_values() -> dict:

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
+import random
 import sys
 import time
 
@@ -116,7 +119,7 @@ def run(argv) -> int:
     prompts: list = list(settings.prompt)
     if settings.prompts_file:
         prompts += read_prompts_file(settings.prompts_file)
-    prompts = prompts or list(BUILTIN_PROMPTS)
+    prompts = prompts or BUILTIN_PROMPTS
     multihost = engine_flags.initialize_multihost_from_flags()  # before anything touches a device
 
     from serving.engine.llm import LLM
@@ -134,25 +137,41 @@ def run(argv) -> int:
 
 def _generate_and_print(llm, settings: GenerateSettings, prompts: list) -> int:
     print(f"loaded {llm.name} in {llm.load_seconds:.1f}s", file=sys.stderr)
-    texts = [llm.tokenizer.apply_chat_template(p) if isinstance(p, list) else p for p in prompts]
+    if prompts is BUILTIN_PROMPTS and not llm.has_chat_template:
+        prompts = [p for p in prompts if not isinstance(p, list)]
+        print(f"{llm.name} has no chat template (a base model): the built-in chat prompt is skipped", file=sys.stderr)
+    texts = [llm.render_chat(p) if isinstance(p, list) else p for p in prompts]
+    chat = settings.chat and not settings.prompts_file
+    if chat and not llm.has_chat_template:
+        raise UsageError(f"--chat: {llm.name} has no chat template (a base model, not instruction-tuned); drop --chat")
+    print(llm.kv_pool_summary(), file=sys.stderr)
+    # One seed for both runs: the timed run then replays the warm-up exactly (same tokens, same batch shapes).
+    sampling = settings.sampling() | dict(seed=settings.seed if settings.seed is not None else random.getrandbits(31))
 
     def generate(label: str):
         progress = Progress(label) if settings.prompts_file else None
         try:
-            return llm.generate(
-                texts, chat=settings.chat and not settings.prompts_file, progress=progress, **settings.sampling()
-            )
+            return llm.generate(texts, chat=chat, progress=progress, **sampling)
         finally:
             if progress is not None:
                 progress.close()
 
+    compiles = 0
     if settings.warmup_run:
         t0 = time.perf_counter()
         generate("warm-up")
+        # The warm-up left its prompts in the prefix cache: cleared, the timed run schedules the same shapes as the
+        # warm-up compiled (a prefix hit would take a shape of its own, compiled inside the timed run) and its time
+        # to first token is that of a prompt the engine has not seen.
+        llm.reset_prefix_cache()
         print(f"warm-up run (compiles this batch's shapes): {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        compiles = num_compiles(llm)
     t0 = time.perf_counter()
     outs = generate("")
     wall = time.perf_counter() - t0
+    if settings.warmup_run and num_compiles(llm) > compiles:
+        print(f"note: the timed run compiled {num_compiles(llm) - compiles} executables; its times include them",
+              file=sys.stderr)  # fmt: skip
     total = 0
     for prompt, out in zip(texts, outs):
         total += len(out.token_ids)
@@ -167,6 +186,11 @@ def _generate_and_print(llm, settings: GenerateSettings, prompts: list) -> int:
     print("=" * 80)
     print(f"{len(outs)} prompts, {total} tokens in {wall:.2f}s: {total / wall:.1f} tokens/s overall")
     return 0
+
+
+def num_compiles(llm) -> int:
+    """Step executables the engine has made so far (compiled or loaded), over its data-parallel replicas."""
+    return sum(e.runner.num_compiles for e in getattr(llm.engine, "replicas", [llm.engine]))
 
 
 def main(argv):
@@ -186,6 +210,21 @@ def entry():
     except flags.Error as e:  # absl raises before main() for unknown/invalid flags.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except SystemExit as e:  # main's status, through absl's sys.exit
+        if FLAGS.is_parsed() and FLAGS.num_processes > 1:
+            raise  # a multi-process job leaves jax.distributed through the interpreter's exit handlers
+        exit_now(e.code)
+
+
+def exit_now(code) -> None:
+    """Ends the process without the interpreter's teardown, everything printed and flushed: nothing is left to
+    write, and tearing JAX down (its executables, the CPU client) takes seconds on a small host."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else int(code is not None))
 
 
 if __name__ == "__main__":

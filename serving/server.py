@@ -24,6 +24,7 @@ from serving import flags as engine_flags
 from serving.api.app import DrainingServer, create_app
 from serving.api.http import timed_h11_protocol
 from serving.config import EngineConfig, ServerConfig
+from serving.deploy import flags as deploy_flags  # --ray_replicas and the other Ray Serve flags
 
 FLAGS = flags.FLAGS
 _S = ServerConfig()
@@ -46,6 +47,16 @@ flags.DEFINE_float("body_timeout_s", _S.body_timeout_s, "longest wait for the ne
 flags.DEFINE_float("keep_alive_s", _S.keep_alive_s, "close idle keep-alive connections after this long")
 flags.DEFINE_bool("enable_docs", _S.enable_docs, "serve /docs, /redoc and /openapi.json")
 flags.DEFINE_bool("protect_metrics", _S.protect_metrics, "/metrics needs the API key too (when --api_key is set)")
+flags.DEFINE_float(
+    "body_deadline_s",
+    _S.body_deadline_s,
+    "longest time for a whole request body (408 beyond; default 4 x --body_timeout_s)",
+)
+flags.DEFINE_float(
+    "stall_timeout_s",
+    _S.stall_timeout_s,
+    "/health answers 503 once the engine loop has had work and made no progress this long",
+)
 
 # Seconds uvicorn waits past the drain deadline, so the handlers' shutting-down errors reach the clients.
 DRAIN_GRACE_S = 5.0
@@ -68,11 +79,16 @@ def main(argv) -> int:
         return 2
     try:
         engine_config, server_config = configs_from_flags()
+        deploy = deploy_flags.deploy_config_from_flags(engine_config.block_size, server_config.drain_timeout_s)
         multihost = engine_flags.initialize_multihost_from_flags()  # before anything touches a device
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if FLAGS.ray_replicas:  # engine replicas on Ray Serve behind one ingress (serving/deploy/ray_app.py)
+        from serving.deploy.ray_app import serve_forever
+
+        return serve_forever(engine_config, server_config, deploy)
     if multihost and FLAGS.process_id != 0:
         return _follow(engine_config)
     loaded = []
@@ -97,6 +113,8 @@ def main(argv) -> int:
         body_timeout_s=server_config.body_timeout_s,
         enable_docs=server_config.enable_docs,
         protect_metrics=server_config.protect_metrics,
+        body_deadline_s=server_config.body_deadline_s,
+        stall_timeout_s=server_config.stall_timeout_s,
     )
     server = DrainingServer(
         uvicorn.Config(
@@ -116,11 +134,18 @@ def main(argv) -> int:
         from sharding import multihost as multihost_lib
 
         multihost_lib.stop_followers(loaded[0].engine)
-    load_error = asgi.state.server.engine.load_error
-    if load_error is not None:
-        print(f"error: cannot load the model: {load_error}", file=sys.stderr)
+    engine = asgi.state.server.engine
+    if engine.load_error is not None:
+        print(f"error: cannot load the model: {engine.load_error}", file=sys.stderr)
         return 1
-    return 0 if server.started else 1
+    status = 0 if server.started else 1
+    if getattr(engine, "compiling", False):  # an XLA compile cannot be interrupted: exit without waiting for it
+        logging.getLogger("serving.server").warning("exiting with a background compile unfinished")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # interpreter teardown would wait for the compile thread, then crash under it
+    return status
 
 
 def _follow(engine_config: EngineConfig) -> int:

@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP app: FastAPI + uvicorn over the continuous-batching engine (binary: serving/server.py).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (server-sent events with `stream`), GET /v1/models,
-GET /health (200 once the model is loaded and compiled, 503 before and while draining), GET /metrics
+GET /health (200 once the model is loaded and compiled; 503 before, while draining, and while the engine loop
+is stalled: it has work and has completed no step for `stall_timeout_s`), GET /metrics
 (Prometheus text; behind the API key with `protect_metrics`), and vLLM's POST /tokenize, POST /detokenize,
 GET /tokenizer_info (lm-eval's remote tokenizer uses them). /docs, /redoc and /openapi.json exist only with
 `enable_docs`.
 
-A /v1 request is checked in this order: the API key (before a byte of the body is read), the body size
-(Content-Length, then the running total) and read timeout, UTF-8 and JSON (serving/api/http.py), the pydantic
-model, then the handler; large bodies are parsed on a worker thread and followed by a heap trim.
+A /v1 request is checked in this order: the API key (before a byte of the body is read), the framing and
+Content-Type (400 for Content-Length with Transfer-Encoding, 415 for a body that is not JSON), the body size
+(Content-Length, then the running total), read timeout and overall body deadline, UTF-8 and JSON
+(serving/api/http.py), the pydantic model, then the handler; large bodies are parsed on a worker thread and
+followed by a heap trim.
 
 This module builds the app (routes, auth, error bodies, the OpenAPI description) and the draining uvicorn server;
 the /v1 handlers are in serving/api/handlers.py, the engine thread in serving/api/async_engine.py. SIGTERM stops
@@ -57,6 +60,7 @@ _ERRORS = {
     404: {"description": "unknown model"},
     408: {"description": "the body did not arrive in time"},
     413: {"description": "body larger than max_body_bytes"},
+    415: {"description": "the body is not application/json"},
     503: {"description": "loading, draining or queue full"},
 }
 
@@ -92,6 +96,9 @@ def create_app(
     body_timeout_s: float = 60.0,
     enable_docs: bool = False,
     protect_metrics: bool = False,
+    engine_class: Callable[..., Any] = AsyncEngine,
+    body_deadline_s: float | None = None,
+    stall_timeout_s: float = 60.0,
 ) -> ServerApp:
     """Builds the ASGI app; the engine thread starts (and loads the model) with the app's lifespan.
 
@@ -104,8 +111,13 @@ def create_app(
         `warmup`, done when llm_factory builds the engine).
       max_body_bytes: largest request body accepted (413 beyond).
       body_timeout_s: longest wait for the next piece of a request body (408 beyond).
+      body_deadline_s: longest time for a whole request body (408 beyond; default 4 x body_timeout_s).
+      stall_timeout_s: /health answers 503 once the engine loop has had work and made no progress this long.
       enable_docs: serve /docs, /redoc and /openapi.json.
       protect_metrics: /metrics needs the API key too (when one is set).
+      engine_class: builds the engine bridge, `engine_class(make_engine, max_queue=max_queue)`: AsyncEngine (the
+        engine on a thread of this process) or an object with its interface (serving/deploy/remote_engine.py:
+        the engines on Ray Serve replicas).
     """
 
     def make_engine():  # on the engine thread, after `state` below exists
@@ -118,9 +130,11 @@ def create_app(
         state.llm = llm
         return engine
 
-    engine = AsyncEngine(make_engine, max_queue=max_queue)
-    state = ServerState(engine, model_name, api_key, ServerMetrics(engine.live_stats))
+    options = {"stall_timeout_s": stall_timeout_s} if engine_class is AsyncEngine else {}
+    engine = engine_class(make_engine, max_queue=max_queue, **options)
+    state = ServerState(engine, model_name, api_key, ServerMetrics(engine.live_stats, engine))
     state.max_body_bytes, state.body_timeout_s, state.protect_metrics = max_body_bytes, body_timeout_s, protect_metrics
+    state.body_deadline_s = http.default_body_deadline(body_timeout_s) if body_deadline_s is None else body_deadline_s
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -191,9 +205,15 @@ def _max_token_chars(tokenizer) -> int | None:
 
 
 def _smoke_request(engine) -> None:
-    """One short request end to end (the engine compiled its step buckets at construction when its config's
-    `warmup` asked for it)."""
+    """One short request end to end, and one prompt's logprobs (the engine compiled its step buckets at
+    construction when its config's `warmup` asked for it; this compiles the reduction of a logprob chunk)."""
     engine.generate([None], [[0, 1, 2]], max_tokens=2, temperature=0.0)
+    if hasattr(engine, "runner"):  # an LLMEngine (data-parallel engines take no prompt-logprob jobs here)
+        from serving.engine.scoring import PromptLogprobs  # here: the Ray Serve ingress imports no JAX
+
+        work = PromptLogprobs([0, 1, 2], "warmup-logprobs")
+        while not work.done:
+            work.advance(engine)
 
 
 class ServerApp:
@@ -275,13 +295,18 @@ def _add_routes(fastapi_app: FastAPI, state: ServerState) -> None:
 
     async def read(request: Request, model):
         authorize(request)  # before a byte of the body is read
-        return await http.read_model(request, model, state.max_body_bytes, state.body_timeout_s)
+        return await http.read_model(request, model, state.max_body_bytes, state.body_timeout_s, state.body_deadline_s)
 
     @fastapi_app.get("/health")
     async def health():
-        if state.llm is not None and state.engine.ready and not state.draining:
+        stalled = getattr(state.engine, "stalled", False)
+        if state.llm is not None and state.engine.ready and not state.draining and not stalled:
             return {"status": "ok"}
-        reason = "draining" if state.draining else state.engine.not_ready_reason()
+        if stalled:
+            seconds = state.engine.stalled_for()
+            reason = f"stalled: the engine loop has made no progress for {seconds:.0f} s with work pending"
+        else:
+            reason = "draining" if state.draining else state.engine.not_ready_reason()
         return JSONResponse({"status": reason}, status_code=503)
 
     @fastapi_app.get("/metrics")

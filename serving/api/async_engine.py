@@ -10,18 +10,26 @@ between steps and runs `step()` while anything is unfinished. The event loop nev
     async for out in stream     <-- loop.call_soon_threadsafe(deliver, outputs of one step) --
                                                         step() -> RequestOutputs
                                                         stats() snapshot after every step
-    await call(fn)              -- command queue --->   fn() between steps (prompt scoring), result back
+    await call(fn)              -- command queue --->   fn() between steps, result back
+    await run_job(work)         -- command queue --->   work.advance(engine): one chunk of prompt logprobs per
+                                                        turn, between steps, under a share of the thread's time
     live_stats() (a /metrics scrape): the snapshot with queue and running counts read now, plus the submissions
     still in the command queue, so the gauges do not lag behind a long step.
 
 One HTTP request is one `RequestStream`, fed by one or more engine requests (OpenAI's `n`, or a list of
 prompts). A stream ends when all its engine requests have finished; an engine error ends it with `EngineError`.
+
+Nothing compiles on the engine thread while serving (serving/api/engine_work.py): a request whose prompt and
+output need a block-table width warm-up did not compile is parked (its submit() waits) while a background thread
+compiles that width; the other requests keep running. Progress is tracked for /health: the engine is stalled when
+it has work and neither a step, a chunk nor a command has completed for `stall_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -29,111 +37,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from serving.core.request import RequestOutput, SamplingParams
+from serving.api.engine_work import SCORING_SHARE, JobQueue, ScoringJob, WidthCompiler, compile_counter
+from serving.api.streams import ACCEPTED, EngineStats, RequestSpec, RequestStream, fail_future, settle_future
+from serving.api.streams import EngineError as EngineError
+from serving.api.streams import EngineNotReadyError as EngineNotReadyError
+from serving.api.streams import QueueFullError as QueueFullError
+from serving.core.request import RequestOutput
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """More requests are waiting than `max_queue`; the client should retry later."""
-
-
-class EngineNotReadyError(Exception):
-    """The model is still loading or compiling (or the engine is shutting down)."""
-
-
-class EngineError(RuntimeError):
-    """The engine failed while serving a request; the message says why."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestSpec:
-    """One engine request: token ids, sampling parameters and an id unique among unfinished requests."""
-
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    params: SamplingParams
-    prompt: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """Scheduler snapshot taken by the engine thread after each step (read by /metrics without locking)."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_cached: int = 0
-    prefix_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_step_failures: int = 0
-    speculative: dict = dataclasses.field(default_factory=dict)  # method -> SpecDecoder.metrics() totals
-    router_tokens: Any = None  # MoE: tokens routed per layer and expert [L, E] (ModelRunner.router_load), or None
-
-
-_ACCEPTED = object()  # First item of a stream whose requests the engine took.
-
-
-class RequestStream:
-    """Outputs of one HTTP request's engine requests, in the order the engine produced them.
-
-    Attributes:
-      request_ids: the engine request ids this stream carries.
-      arrival: time.perf_counter() when the stream was created.
-      first_token_at: request id -> time its first token arrived.
-      finished_at: request id -> time it finished.
-      num_output_tokens: request id -> tokens generated so far.
-    """
-
-    def __init__(self, request_ids: Sequence[str]):
-        self.request_ids = tuple(request_ids)
-        self.arrival = time.perf_counter()
-        self.first_token_at: dict[str, float] = {}
-        self.finished_at: dict[str, float] = {}
-        self.num_output_tokens: dict[str, int] = {rid: 0 for rid in self.request_ids}
-        self.cancelled = False  # set from the loop; read by the engine thread (a benign bool race)
-        self._queue: asyncio.Queue = asyncio.Queue()
-
-    @property
-    def finished(self) -> bool:
-        return len(self.finished_at) == len(self.request_ids)
-
-    def _put(self, item: Any) -> None:
-        self._queue.put_nowait(item)
-
-    async def wait_accepted(self) -> None:
-        """Returns once the engine has queued the requests; raises what it refused them with."""
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        assert item is _ACCEPTED, item
-
-    async def next_output(self) -> RequestOutput | None:
-        """The next output, or None once every request has finished. Raises EngineError on failure."""
-        if self.finished:
-            return None
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished_at.update({r: time.perf_counter() for r in self.request_ids if r not in self.finished_at})
-            raise item
-        now = time.perf_counter()
-        if item.new_token_ids:
-            self.first_token_at.setdefault(item.request_id, now)
-            self.num_output_tokens[item.request_id] += len(item.new_token_ids)
-        if item.finished:
-            self.finished_at[item.request_id] = now
-        return item
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        out = await self.next_output()
-        if out is None:
-            raise StopAsyncIteration
-        return out
 
 
 class AsyncEngine:
@@ -144,12 +55,31 @@ class AsyncEngine:
         answer /health while they run). It returns an object with LLMEngine's interface.
       max_queue: most requests waiting for a slot; a submission beyond it raises QueueFullError.
       warmup: called with the engine on the engine thread before it is marked ready (compiles buckets).
+      stall_timeout_s: the engine counts as stalled (`stalled_for`) after this long with work and no progress.
     """
 
+    _names = itertools.count()
+
     def __init__(
-        self, engine_factory: Callable[[], Any], *, max_queue: int = 256, warmup: Callable[[Any], None] | None = None
+        self,
+        engine_factory: Callable[[], Any],
+        *,
+        max_queue: int = 256,
+        warmup: Callable[[Any], None] | None = None,
+        stall_timeout_s: float = 60.0,
     ):
         self.max_queue = max_queue
+        self.stall_timeout_s = stall_timeout_s
+        self._thread_name = f"engine-{next(self._names)}"
+        self._jobs = JobQueue(self._settle, lambda e: EngineError(f"prompt logprobs failed: {type(e).__name__}: {e}"))
+        self._credit = 0.0  # seconds of engine-thread time scoring jobs may still take while requests run
+        self._chunk_cost = 0.0  # running estimate of one scoring chunk's seconds
+        self._parked: list[tuple[RequestStream, tuple[RequestSpec, ...], int]] = []  # waiting for a width
+        self._compiler: WidthCompiler | None = None
+        self._busy = False  # the engine thread has work (read by /health)
+        self._progress_at = time.monotonic()
+        self.last_step_at: float | None = None
+        self._compiles_at_ready = 0
         self._factory = engine_factory
         self._warmup = warmup
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -171,7 +101,7 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Starts the engine thread; outputs are delivered on `loop` (default: the running loop)."""
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self._thread.start()
 
     @property
@@ -192,12 +122,19 @@ class AsyncEngine:
                 return False
         return True
 
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Lets unfinished requests end, then stops the engine thread (joined off the event loop)."""
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread (joined off the event loop): requests still unfinished (their HTTP responses
+        have ended by now) are aborted, prompt-logprob jobs cancelled, parked requests dropped."""
         self._stopping = True
         self._commands.put(("stop",))
+        if self._compiler is not None:
+            self._compiler.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def compiling(self) -> bool:  # a background compile is running (uninterruptible: exit may skip it)
+        return self._compiler is not None and self._compiler.busy
 
     # Requests (event loop) -----------------------------------------------------------------------------------
 
@@ -232,6 +169,47 @@ class AsyncEngine:
         future = self._loop.create_future()
         self._commands.put(("call", fn, future))
         return await future
+
+    async def run_job(self, work: Any) -> Any:
+        """Runs `work` (an object with `done`, `next_positions(engine)`, `advance(engine)` and `release(engine)`,
+        such as serving/engine/scoring.py PromptLogprobs) a chunk at a time between steps; returns it when done.
+        Cancelling the await cancels the work and frees what it holds. Raises what `advance` raised, or
+        EngineNotReadyError when the engine is not serving."""
+        if not self.ready:
+            raise EngineNotReadyError(self.not_ready_reason())
+        job = ScoringJob(work, self._loop.create_future())
+        with self._dead_lock:
+            if self._dead:
+                raise EngineNotReadyError(self.not_ready_reason())
+            self._commands.put(("job", job))
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            job.cancelled = True
+            self._commands.put(("cancel_job", job))
+            raise
+
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has had work without completing a step, chunk or command (0: not stalled
+        or idle)."""
+        if not self._ready.is_set() or not self._busy:
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
+
+    stalled = property(lambda self: self.stalled_for() > self.stall_timeout_s)
+
+    def last_step_age(self) -> float | None:
+        """Seconds since the last engine step ended (None before the first)."""
+        return None if self.last_step_at is None else time.monotonic() - self.last_step_at
+
+    @property
+    def compiles_while_serving(self) -> int:
+        """XLA compilations on the engine thread since it became ready (none is expected)."""
+        if not self._ready.is_set():
+            return 0
+        return compile_counter().count(self._thread_name) - self._compiles_at_ready
+
+    num_parked = property(lambda self: len(self._parked))
 
     def live_stats(self) -> EngineStats:
         """The last snapshot with the waiting and running counts read now (ints the engine thread updates; a
@@ -280,7 +258,10 @@ class AsyncEngine:
             self.load_error = e
             return
         self.load_seconds = time.perf_counter() - t0
+        self._compiler = WidthCompiler(self.engine, lambda w: self._commands.put(("compiled", w)))
         self._publish_stats()
+        self._compiles_at_ready = compile_counter().count(self._thread_name)
+        self._progress_at = time.monotonic()
         self._ready.set()
         log.info("engine ready after %.1f s", self.load_seconds)
         try:
@@ -291,18 +272,55 @@ class AsyncEngine:
 
     def _loop_forever(self) -> None:
         while True:
-            busy = self.engine.has_unfinished()
+            busy = self.engine.has_unfinished() or self._jobs.runnable
+            self._busy = busy
             for cmd in self._take_commands(block=not busy):
                 if cmd[0] == "stop":
                     self._stopping = True
                 else:
                     self._apply(cmd)
-            if self.engine.has_unfinished():
-                self._step()
-            elif self._stopping and self._commands.empty():
+            self._progress_at = time.monotonic()
+            if self._stopping:
+                self._end_all()
                 self._publish_stats()
                 return
+            if self.engine.has_unfinished():
+                t0 = time.monotonic()
+                self._step()
+                self.last_step_at = self._progress_at = time.monotonic()
+                self._credit = min(self._credit + (self.last_step_at - t0) * SCORING_SHARE, 1.0 + self._chunk_cost)
+                self._jobs.blocked = False  # blocks may have been freed
+            if self._jobs:
+                self._run_job_chunk()
             self._publish_stats()
+
+    def _run_job_chunk(self) -> None:
+        """One scoring chunk when the engine is otherwise idle, or once the steps since the last one have earned
+        its expected cost (SCORING_SHARE of their time), so that running requests slow by at most that share."""
+        contended = self.engine.has_unfinished()
+        if not contended:
+            self._credit = 0.0
+        elif self._credit < self._chunk_cost:
+            return
+        t0 = time.monotonic()
+        self._jobs.advance(self.engine, self._compiler.ready)
+        self._progress_at = time.monotonic()
+        cost = self._progress_at - t0
+        self._chunk_cost = cost if not self._chunk_cost else 0.8 * self._chunk_cost + 0.2 * cost
+        if contended:
+            self._credit -= cost
+
+    def _end_all(self) -> None:
+        """At shutdown: aborts unfinished requests, cancels jobs and parked requests (their clients are gone)."""
+        error = EngineNotReadyError("the server is shutting down")
+        streams = {id(s): s for s in self._streams.values()} | {id(p[0]): p[0] for p in self._parked}
+        for rid in list(self._streams):
+            self.engine.abort(rid)
+        self._streams.clear()
+        self._parked.clear()
+        self._jobs.end_all(self.engine, error)
+        for stream in streams.values():
+            self._post(stream, error)
 
     def _die(self, error: EngineError) -> None:
         """Fails every stream, in flight or still queued as a command (submit refuses new ones from now on)."""
@@ -319,7 +337,14 @@ class AsyncEngine:
             if cmd[0] == "add":
                 streams[id(cmd[1])] = cmd[1]
             elif cmd[0] == "call":
-                self._call_loop(_fail_future, cmd[2], error)
+                self._call_loop(fail_future, cmd[2], error)
+            elif cmd[0] == "job":
+                self._call_loop(fail_future, cmd[1].future, error)
+        streams |= {id(p[0]): p[0] for p in self._parked}
+        self._parked.clear()
+        for job in self._jobs.jobs:
+            self._call_loop(fail_future, job.future, error)
+        self._jobs.jobs.clear()
         for stream in streams.values():
             self._post(stream, error)
 
@@ -327,6 +352,7 @@ class AsyncEngine:
         cmds = []
         if block:
             cmds.append(self._commands.get())
+            self._busy, self._progress_at = True, time.monotonic()  # woken: the command is work now
         while True:
             try:
                 cmds.append(self._commands.get_nowait())
@@ -341,6 +367,13 @@ class AsyncEngine:
                 self._abort(cmd[1])
             elif cmd[0] == "call":
                 self._call(cmd[1], cmd[2])
+            elif cmd[0] == "job":
+                self._jobs.add(cmd[1])
+            elif cmd[0] == "cancel_job":
+                self._jobs.finish(self.engine, cmd[1], None)
+            elif cmd[0] == "compiled":
+                self._jobs.blocked = False
+                self._unpark()
         except Exception as e:  # noqa: BLE001 - a bug here must fail one request, not the engine thread
             log.exception("engine command %s failed", cmd[0])
             self._deliver_error(cmd[1], EngineError(f"internal error: {type(e).__name__}: {e}"))
@@ -357,16 +390,22 @@ class AsyncEngine:
 
         self._call_loop(settle)
 
-    def _add(self, stream: RequestStream, specs: tuple[RequestSpec, ...]) -> None:
-        self._call_loop(self._applied, len(specs))
+    def _add(self, stream: RequestStream, specs: tuple[RequestSpec, ...], parked: bool = False) -> None:
+        """Queues the specs in the engine, or parks them until their table width is compiled (submit() waits)."""
+        if not parked:
+            self._call_loop(self._applied, len(specs))
         if stream.cancelled:
             return
-        waiting = self.engine.scheduler.num_waiting
-        if waiting + len(specs) > self.max_queue:
+        waiting = self.engine.scheduler.num_waiting + sum(len(p[1]) for p in self._parked)
+        if not parked and waiting + len(specs) > self.max_queue:
             self._post(
                 stream,
                 QueueFullError(f"{waiting} requests are already waiting (max_queue={self.max_queue}); retry later"),
             )
+            return
+        need = max(len(s.prompt_token_ids) + s.params.max_tokens for s in specs)
+        if not self._compiler.ready(need):
+            self._parked.append((stream, specs, need))
             return
         added = []
         try:
@@ -380,12 +419,26 @@ class AsyncEngine:
             return
         for rid in added:
             self._streams[rid] = stream
-        self._post(stream, _ACCEPTED)
+        self._post(stream, ACCEPTED)
 
     def _applied(self, n: int) -> None:  # on the loop, so that _num_pending has one writer
         self._num_pending -= n
 
+    def _unpark(self) -> None:
+        parked, self._parked = self._parked, []
+        for stream, specs, need in parked:
+            if stream.cancelled:
+                continue
+            if self._compiler.ready(need):
+                self._add(stream, specs, parked=True)
+            else:
+                self._parked.append((stream, specs, need))
+
+    def _settle(self, future: asyncio.Future, error: BaseException | None, result: Any) -> None:
+        self._call_loop(settle_future, future, error, result)
+
     def _abort(self, stream: RequestStream) -> None:
+        self._parked = [p for p in self._parked if p[0] is not stream]
         for rid in stream.request_ids:
             if self._streams.get(rid) is stream:
                 self.engine.abort(rid)
@@ -464,8 +517,3 @@ def _deliver(batch: list[tuple[RequestStream, list[RequestOutput]]]) -> None:
     for stream, outs in batch:
         for out in outs:
             stream._put(out)
-
-
-def _fail_future(future: asyncio.Future, error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)

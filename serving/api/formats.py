@@ -68,15 +68,26 @@ class CompletionLogprobs:
         return {k: [x for b in blocks for x in b[k]] for k in _KEYS}
 
 
-def prompt_logprobs(logits_lv: np.ndarray, ids: Sequence[int], k: int, token_text) -> dict:
-    """Completions logprobs of a prompt scored by teacher forcing: token i's logprob under the logits at i - 1
-    (the first token has none: null, as in OpenAI), with the k most likely tokens at each position."""
-    x = logits_lv[: len(ids)].astype(np.float64)  # [L, V]
-    logp = x - x.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+class WholePromptScores:
+    """PromptLogprobs' fields from a whole prompt's logits [>= len(ids), V] (engine bridges without jobs)."""
+
+    def __init__(self, ids: Sequence[int], logits_lv):
+        self.ids = list(ids)
+        x = np.asarray(logits_lv[: max(len(ids) - 1, 0)], np.float64)
+        logp = x - x.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        self.token_logprobs = logp[np.arange(len(x)), self.ids[1:]]
+        self.top_ids = np.argsort(-logp, axis=-1)[:, :20]
+        self.top_logprobs = np.take_along_axis(logp, self.top_ids, axis=-1)
+
+
+def prompt_logprobs(scored, k: int, token_text) -> dict:
+    """Completions logprobs of a prompt scored by teacher forcing (serving/engine/scoring.py PromptLogprobs:
+    `ids`, `token_logprobs`, `top_ids`, `top_logprobs`): token i's logprob under the logits at i - 1 (the first
+    token has none: null, as in OpenAI), with the k most likely tokens at each position."""
     out = {key: [] for key in _KEYS}
     offset = 0
-    for i, tid in enumerate(ids):
+    for i, tid in enumerate(scored.ids):
         text = token_text(tid)
         out["tokens"].append(text)
         out["text_offset"].append(offset)
@@ -85,10 +96,9 @@ def prompt_logprobs(logits_lv: np.ndarray, ids: Sequence[int], k: int, token_tex
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        row = logp[i - 1]
-        out["token_logprobs"].append(finite_logprob(float(row[tid])))
-        top = np.argsort(-row)[:k] if k else []
-        out["top_logprobs"].append({token_text(int(t)): finite_logprob(float(row[t])) for t in top})
+        out["token_logprobs"].append(finite_logprob(float(scored.token_logprobs[i - 1])))
+        ids, lps = scored.top_ids[i - 1, :k], scored.top_logprobs[i - 1, :k]
+        out["top_logprobs"].append({token_text(int(t)): finite_logprob(float(v)) for t, v in zip(ids, lps)})
     return out
 
 

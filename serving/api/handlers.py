@@ -36,6 +36,7 @@ from serving.api.formats import (
     ChatFormat,
     Choice,
     CompletionFormat,
+    WholePromptScores,
     absorb,
     check_output,
     num_tokens,
@@ -72,6 +73,7 @@ class ServerState:
     max_token_chars: int | None = None
     max_body_bytes: int = 16 << 20
     body_timeout_s: float = 60.0
+    body_deadline_s: float = 240.0
     protect_metrics: bool = False
     shutdown_now: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
@@ -174,7 +176,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     echo = [(text if text is not None else tok.decode(ids)) if body.echo else "" for text, ids in prompts]
     prompt_lps = None
     if body.echo and body.logprobs is not None:
-        prompt_lps = [await _score_prompt(state, llm, ids, body.logprobs) for _, ids in prompts]
+        prompt_lps = [await _score_prompt(state, llm, ids, body.logprobs, request) for _, ids in prompts]
     fmt = CompletionFormat(rid, state.model_name, tok.token_text, echo, prompt_lps, body.logprobs is not None)
     if max_tokens == 0:  # echo only: the prompt (and its logprobs), nothing generated
         choices = [
@@ -187,8 +189,8 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     logprobs = max(body.logprobs or 0, 0) if ranked else body.logprobs
     params = body.sampling_params(max_tokens, logprobs, llm.config.vocab_size, body_constraint(body)[0])
     await precompile(llm, params)
-    choices, specs = _fan_out(rid, prompts, params, n_seq)
-    stream = await _submit(state, specs)
+    choices, specs = _fan_out(rid, prompts, params, n_seq, bool(body.stream))
+    stream = await _submit(state, specs, request)
     if body.stream:
         return _sse(state, stream, fmt.chunks(stream, choices, n_prompt, body.include_usage), n_prompt, choices)
     await _collect(state, stream, request, choices, n_prompt)
@@ -206,17 +208,50 @@ def best_choices(choices: list[Choice], n: int) -> list[Choice]:
     return out
 
 
-async def _score_prompt(state: ServerState, llm, ids: list[int], k: int) -> dict:
-    """The prompt's logprobs (echo + logprobs), scored on the engine thread between steps. The ids are padded
-    to a power of two (>= 16, <= max_model_len) so that few shapes compile; causal attention keeps the padding
-    out of the real positions' logits."""
-    size = min(llm.max_model_len, max(16, 1 << (len(ids) - 1).bit_length()))
-    padded = list(ids) + [ids[-1]] * (size - len(ids))
+async def _score_prompt(state: ServerState, llm, ids: list[int], k: int, request: Request) -> dict:
+    """The prompt's logprobs (echo + logprobs): the engine thread computes them a chunk per turn between steps
+    (serving/engine/scoring.py PromptLogprobs), so a long prompt never stalls the other requests. A client that
+    disconnects, or the drain deadline of a shutdown, cancels the work and frees its KV blocks."""
+    if not hasattr(state.engine, "run_job") or not hasattr(llm.engine, "runner"):
+        return await _score_whole(state, llm, ids, k)  # Ray Serve ingress, data-parallel engines: whole prompt
+    from serving.engine.scoring import PromptLogprobs  # here: the Ray Serve ingress imports this module, not JAX
+
+    work = PromptLogprobs(ids, f"echo-{uuid.uuid4().hex}")
     try:
-        logits = await state.engine.call(lambda: llm.score(padded))
+        scored = await _guarded(state, request, state.engine.run_job(work))
+    except ValueError as e:
+        raise OpenAIError(400, f"prompt logprobs: {e}", param="prompt") from e
     except (EngineNotReadyError, EngineError) as e:
         raise OpenAIError(503, f"service unavailable: {e}", type="server_error", code="service_unavailable") from e
-    return await asyncio.to_thread(prompt_logprobs, logits, ids, k, llm.tokenizer.token_text)
+    return await asyncio.to_thread(prompt_logprobs, scored, k, llm.tokenizer.token_text)
+
+
+async def _guarded(state: ServerState, request: Request, awaitable):
+    """Awaits `awaitable`, cancelling it when the client disconnects (499) or the drain deadline of a shutdown
+    passes (503): work that waits in the engine (prompt logprobs, a request parked for a compile) ends with its
+    client."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    deadline = asyncio.ensure_future(state.shutdown_now.wait())
+    try:
+        await asyncio.wait({work, watch, deadline}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            if deadline.done():
+                raise shutting_down_error()
+            raise OpenAIError(499, "client disconnected", code="client_disconnected")
+        return work.result()
+    finally:
+        for task in (work, watch, deadline):
+            task.cancel()
+
+
+async def _score_whole(state: ServerState, llm, ids: list[int], k: int) -> dict:
+    """Prompt logprobs from the whole prompt's logits (llm.score), for engine bridges that run no jobs."""
+    try:
+        logits = await state.engine.call(lambda: llm.score(list(ids)))
+    except (EngineNotReadyError, EngineError) as e:
+        raise OpenAIError(503, f"service unavailable: {e}", type="server_error", code="service_unavailable") from e
+    return await asyncio.to_thread(prompt_logprobs, WholePromptScores(ids, logits), k, llm.tokenizer.token_text)
 
 
 # Chat ----------------------------------------------------------------------------------------------------------
@@ -276,8 +311,8 @@ async def chat(state: ServerState, body: ChatCompletionRequest, request: Request
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     await precompile(llm, params)
-    choices, specs = _fan_out(rid, [(text, ids)], params, body.n)
-    stream = await _submit(state, specs)
+    choices, specs = _fan_out(rid, [(text, ids)], params, body.n, bool(body.stream))
+    stream = await _submit(state, specs, request)
     fmt = ChatFormat(rid, state.model_name, llm.tokenizer.token_text, parse_tools=use_tools)
     if body.stream:
         return _sse(state, stream, fmt.chunks(stream, choices, len(ids), body.include_usage), len(ids), choices)
@@ -288,7 +323,7 @@ async def chat(state: ServerState, body: ChatCompletionRequest, request: Request
 # Shared plumbing -----------------------------------------------------------------------------------------------
 
 
-def _fan_out(rid: str, prompts, params, n: int) -> tuple[list[Choice], list[RequestSpec]]:
+def _fan_out(rid: str, prompts, params, n: int, streamed: bool) -> tuple[list[Choice], list[RequestSpec]]:
     """One engine request per (prompt, choice); a seeded request gives choice i the seed + i."""
     choices, specs = [], []
     for p, (text, ids) in enumerate(prompts):
@@ -296,7 +331,7 @@ def _fan_out(rid: str, prompts, params, n: int) -> tuple[list[Choice], list[Requ
             index = p * n + i
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             choices.append(Choice(index, f"{rid}-{index}", p))
-            specs.append(RequestSpec(f"{rid}-{index}", ids, seeded, text))
+            specs.append(RequestSpec(f"{rid}-{index}", ids, seeded, text, streamed))
     return choices, specs
 
 
@@ -308,10 +343,12 @@ def public_message(message: str) -> str:
     return _INTERNAL_ID.sub("", message).strip() or "the request was refused"
 
 
-async def _submit(state: ServerState, specs: list[RequestSpec]) -> RequestStream:
+async def _submit(state: ServerState, specs: list[RequestSpec], request: Request) -> RequestStream:
+    """The engine's stream for the specs; a request parked until its shapes compile still ends with its client
+    or the drain deadline."""
     state.check_count(len(specs), "n")
     try:
-        return await state.engine.submit(specs)
+        return await _guarded(state, request, state.engine.submit(specs))
     except QueueFullError as e:
         raise OpenAIError(503, str(e), type="server_error", code="queue_full", headers={"Retry-After": "1"}) from e
     except EngineNotReadyError as e:
@@ -346,21 +383,11 @@ async def _collect(
             check_output(out)
             absorb(by_id[out.request_id], out)
 
-    work = asyncio.ensure_future(gather())
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    deadline = asyncio.ensure_future(state.shutdown_now.wait())
     try:
-        await asyncio.wait({work, watch, deadline}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            if deadline.done():
-                raise shutting_down_error()
-            raise OpenAIError(499, "client disconnected", code="client_disconnected")
-        work.result()
+        await _guarded(state, request, gather())
     except EngineError as e:
         raise OpenAIError(500, f"generation failed: {public_message(str(e))}", type="server_error") from e
     finally:
-        for task in (watch, work, deadline):
-            task.cancel()
         state.engine.abort(stream)
         state.metrics.observe_stream(stream, n_prompt, _finish_reasons(choices))
 

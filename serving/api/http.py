@@ -2,9 +2,15 @@
 with specific errors (and off the event loop when large), uvicorn's h11 protocol with a header read timeout and
 OpenAI JSON for malformed requests, and returning freed heap to the OS after large bodies.
 
-    bytes in --(Content-Length > cap: 413 before reading; each chunk within body_timeout_s or 408; running
-                total > cap: 413)--> UTF-8 (else 400 naming the byte) --> json.loads (else 400 with the position;
-                nesting deeper than MAX_JSON_DEPTH: 400) --> pydantic model (else 400 naming the field)
+    headers --(Content-Length with Transfer-Encoding: 400; a Content-Type that is not JSON: 415; none is fine)-->
+    bytes in --(Content-Length > cap: 413 before reading; each chunk within body_timeout_s and the whole body
+                within body_deadline_s, else 408; running total > cap: 413)--> UTF-8 (else 400 naming the byte)
+             --> json.loads (else 400 with the position; nesting deeper than MAX_JSON_DEPTH: 400; an integer of
+                more than MAX_INT_DIGITS digits: 400 naming the field) --> pydantic model (else 400 naming the field)
+
+The per-read timeout alone lets a client trickle one byte every few seconds and hold a connection for hours; the
+overall deadline bounds what one body may cost. A request with both Content-Length and Transfer-Encoding is
+refused (RFC 9112 6.3: the framing is ambiguous, the classic request-smuggling shape) and its connection closed.
 
 Why trim: a refused large request leaves its body (bytes, str, JSON tree, token-id lists) reachable from the
 error's traceback cycle until the cyclic GC runs, and glibc keeps freed memory in its arenas, so after a few
@@ -20,6 +26,8 @@ import ctypes.util
 import gc
 import json
 import logging
+import re
+import time
 from typing import Any
 
 import h11
@@ -32,32 +40,76 @@ from serving.api.protocol import OpenAIError, describe_validation_error, error_b
 log = logging.getLogger("serving.server")
 
 MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 4300  # Python's int <-> str limit (sys.get_int_max_str_digits's default)
 LARGE_BODY_BYTES = 1 << 20  # parsed on a worker thread and followed by a heap trim above this
 
 
-async def read_model(request: Request, model: type[BaseModel], max_bytes: int, timeout_s: float) -> BaseModel:
-    """The request body as `model`; raises OpenAIError (413, 408, 400) with a message saying what was wrong."""
-    body = await read_body(request, max_bytes, timeout_s)
+def check_headers(headers) -> None:
+    """Refuses ambiguous framing (Content-Length with Transfer-Encoding: 400) and a body that is not JSON (415).
+    A missing Content-Type is accepted (the openai client sends JSON; curl -d without -H sends a form type)."""
+    if "content-length" in headers and "transfer-encoding" in headers:
+        raise OpenAIError(
+            400,
+            "the request has both Content-Length and Transfer-Encoding; send one of them",
+            code="ambiguous_framing",
+            headers={"Connection": "close"},
+        )
+    ctype = headers.get("content-type")
+    if ctype is not None:
+        media = ctype.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise OpenAIError(
+                415,
+                f"Content-Type {ctype[:100]!r} is not supported; send the body as application/json",
+                param="Content-Type",
+                code="unsupported_media_type",
+            )
+
+
+async def read_model(
+    request: Request, model: type[BaseModel], max_bytes: int, timeout_s: float, deadline_s: float | None = None
+) -> BaseModel:
+    """The request body as `model`; raises OpenAIError (413, 408, 400) with a message saying what was wrong.
+
+    Args:
+      timeout_s: longest wait for the next piece of the body.
+      deadline_s: longest time for the whole body (default: 4 x timeout_s).
+    """
+    body = await read_body(request, max_bytes, timeout_s, deadline_s)
     if len(body) > LARGE_BODY_BYTES:
         return await asyncio.to_thread(parse_model, body, model)
     return parse_model(body, model)
 
 
-async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+def default_body_deadline(timeout_s: float) -> float:
+    return 4.0 * timeout_s
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float, deadline_s: float | None = None) -> bytes:
+    check_headers(request.headers)
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    if declared.isdigit() and len(declared) < 20 and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
+    deadline_s = default_body_deadline(timeout_s) if deadline_s is None else deadline_s
+    end = time.monotonic() + deadline_s
     chunks, total = [], 0
     stream = request.stream().__aiter__()
     while True:
+        left = end - time.monotonic()
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), timeout_s)
+            if left <= 0:
+                raise TimeoutError
+            chunk = await asyncio.wait_for(stream.__anext__(), min(timeout_s, left))
         except StopAsyncIteration:
             break
         except TimeoutError:
+            overall = time.monotonic() >= end
+            what = f"the whole request body within {deadline_s:g} s (--body_deadline_s)"
             raise OpenAIError(
                 408,
-                f"the request body did not arrive within {timeout_s:g} s (--body_timeout_s)",
+                f"the request body did not arrive: {what}"
+                if overall
+                else f"the request body did not arrive within {timeout_s:g} s (--body_timeout_s)",
                 code="body_timeout",
                 headers={"Connection": "close"},
             ) from None
@@ -101,7 +153,16 @@ def parse_json(body: bytes) -> Any:
             code="invalid_utf8",
         ) from None
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_int=_parse_int)
+    except _HugeInt as e:
+        field = _field_before(text, text.find(e.digits))
+        raise OpenAIError(
+            400,
+            f"{field or 'the body'}: an integer of {len(e.digits.lstrip('-'))} digits; at most {MAX_INT_DIGITS} "
+            "are accepted",
+            param=field,
+            code="integer_too_long",
+        ) from None
     except RecursionError:
         obj = _TOO_DEEP
     except json.JSONDecodeError as e:
@@ -116,6 +177,27 @@ def parse_json(body: bytes) -> Any:
 
 
 _TOO_DEEP = object()
+
+
+class _HugeInt(Exception):
+    def __init__(self, digits: str):
+        super().__init__("integer too long")
+        self.digits = digits
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits) > MAX_INT_DIGITS:
+        raise _HugeInt(digits)
+    return int(digits)
+
+
+_KEY = re.compile(r'"((?:[^"\\]|\\.){1,256})"\s*:')
+
+
+def _field_before(text: str, pos: int) -> str | None:
+    """The name of the last JSON object key before `pos` (the field a value sits in), or None."""
+    keys = _KEY.findall(text, 0, max(pos, 0))
+    return keys[-1] if keys else None
 
 
 def _depth_within(obj: Any, limit: int) -> bool:

@@ -26,10 +26,12 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 
 
 class _EngineCollector:
-    """Gauges and engine counters computed from the latest EngineStats at scrape time."""
+    """Gauges and engine counters computed from the latest EngineStats at scrape time, and the engine thread's
+    liveness read from the bridge (AsyncEngine) itself."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None]):
+    def __init__(self, stats: Callable[[], EngineStats | None], engine=None):
         self._stats = stats
+        self._engine = engine
 
     def collect(self):
         s = self._stats() or EngineStats()
@@ -61,6 +63,35 @@ class _EngineCollector:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         yield from _speculative_families(s.speculative)
         yield from _router_families(s.router_tokens)
+        yield from _liveness_families(self._engine)
+
+
+def _liveness_families(engine):
+    """Age of the last engine step, how long the loop has had work without progress, parked requests and compiles
+    on the engine thread (none expected while serving): what /health judges a stall by, for dashboards."""
+    if engine is None or not hasattr(engine, "last_step_age"):
+        return
+    age = engine.last_step_age()
+    yield GaugeMetricFamily(
+        f"{PREFIX}_engine_last_step_age_seconds",
+        "Seconds since the last engine step ended (-1 before the first).",
+        value=-1.0 if age is None else age,
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_engine_stalled_seconds",
+        "Seconds the engine loop has had work without completing a step, chunk or command (0 when progressing).",
+        value=engine.stalled_for(),
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_requests_waiting_for_compile",
+        "Requests parked until their block-table width is compiled in the background.",
+        value=engine.num_parked,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_engine_thread_compiles",
+        "XLA compilations on the engine thread since it became ready (0 expected: nothing compiles while serving).",
+        value=engine.compiles_while_serving,
+    )
 
 
 _SPEC_COUNTERS = (  # SpecDecoder.metrics() key, metric name, help; exposed with the _total suffix, per method
@@ -115,9 +146,10 @@ class ServerMetrics:
 
     Args:
       stats: returns the engine's latest EngineStats (or None before it is loaded).
+      engine: the engine bridge, for the liveness gauges (AsyncEngine; None or other bridges: none).
     """
 
-    def __init__(self, stats: Callable[[], EngineStats | None]):
+    def __init__(self, stats: Callable[[], EngineStats | None], engine=None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -146,7 +178,7 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(_EngineCollector(stats))
+        r.register(_EngineCollector(stats, engine))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

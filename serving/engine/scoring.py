@@ -168,3 +168,101 @@ def _step(runner, active: list[_Row], budget: int) -> None:
     for r, q0, n, off in spans:
         j = q0 - (r.prompt_len - 1)
         r.logprobs[j : j + n] = lp[off : off + n]
+
+
+# Prompt logprobs beside running requests ----------------------------------------------------------------------
+
+TOP_K = 20  # most alternatives per position an OpenAI completions request may ask for (logprobs <= 20)
+
+
+@jax.jit
+def _chunk_logprobs(logits_lv, targets_l):
+    """(log p(target) [L], the TOP_K best ids [L, K], their logprobs [L, K]) per row, float32, on the device."""
+    lp = jax.nn.log_softmax(logits_lv.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, TOP_K)
+    return jnp.take_along_axis(lp, targets_l[:, None], axis=-1)[:, 0], top_ids, top_lp
+
+
+class PromptLogprobs:
+    """Teacher-forced logprobs of one prompt (OpenAI `echo` + `logprobs`), a chunk per call of `advance`.
+
+    The server's engine thread calls `advance` between engine steps, so a long prompt never holds the engine for
+    more than one chunk: each chunk is one runner step of at most `logit_buckets[0]` (max_num_seqs) positions,
+    a shape warm-up compiled, with its logits reduced on the device to the target's logprob and the TOP_K best.
+    The request's KV blocks come from the scheduler's pool a chunk at a time, like a prefill's, and enter the
+    prefix cache at the end (a generation over the same prompt then reuses them). Host memory is O(prompt x k)
+    numbers; device memory one chunk's logits.
+
+        position   0 ....... P-2 | P-1
+        logits     predict ids[1..P-1] | not needed (nothing follows it)
+
+    Args:
+      ids: the prompt's token ids (validated, within max_model_len).
+      request_id: an id for the KV manager, unique among live requests.
+    """
+
+    def __init__(self, ids: Sequence[int], request_id: str):
+        self.ids = [int(t) for t in ids]
+        self.req = Request(request_id, list(self.ids))
+        self.end = len(self.ids) - 1  # positions 0 .. end - 1 are computed
+        self.pos = 0
+        self.token_logprobs = np.zeros(max(self.end, 0), np.float32)
+        self.top_ids = np.zeros((max(self.end, 0), TOP_K), np.int32)
+        self.top_logprobs = np.zeros((max(self.end, 0), TOP_K), np.float32)
+        self.holds_blocks = False
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= self.end
+
+    def _chunk(self, engine) -> int:
+        """Positions the next chunk computes: up to one logits bucket, and never a lone position where a bucket
+        holds two (a one-token row would take the decode path: another logits shape); the extra position is the
+        prompt's last, whose logits are not needed."""
+        size = engine.runner.logit_buckets[0]
+        return max(min(size, self.end - self.pos), min(size, 2))
+
+    def next_positions(self, engine) -> int:
+        """Positions the KV table covers after the next chunk (what decides its table width)."""
+        return self.pos + self._chunk(engine)
+
+    def advance(self, engine) -> bool:
+        """Computes the next chunk; returns False (holding what it has) when the pool has no blocks for it now.
+
+        Raises:
+          ValueError: the pool cannot hold the prompt even with nothing else running.
+        """
+        if self.done:
+            return True
+        runner, kv = engine.runner, engine.scheduler.kv
+        n = self._chunk(engine)
+        self.req.num_computed_tokens = self.pos
+        if not kv.can_allocate(self.req, n):
+            if not engine.has_unfinished():
+                self.release(engine)
+                raise ValueError(f"the prompt's {len(self.ids)} tokens need more KV blocks than the pool has free")
+            return False
+        alloc = kv.allocate(self.req, n)
+        if not alloc:
+            return False
+        self.holds_blocks = True
+        runner.copy_blocks(alloc.cow_pairs)
+        rows = [RowInput(self.ids[self.pos : self.pos + n], self.pos, list(self.req.block_ids), n)]
+        logits = runner.forward(rows)
+        used = min(n, self.end - self.pos)  # rows past `end`: the last position's logits, not needed
+        targets = np.zeros(logits.shape[0], np.int32)
+        targets[:used] = self.ids[self.pos + 1 : self.pos + 1 + used]
+        lp, top_ids, top_lp = (np.asarray(a)[:used] for a in _chunk_logprobs(logits, jnp.asarray(targets)))
+        span = slice(self.pos, self.pos + used)
+        self.token_logprobs[span], self.top_ids[span], self.top_logprobs[span] = lp, top_ids, top_lp
+        self.pos += used
+        self.req.num_computed_tokens = self.pos + n - used
+        if self.done:
+            self.release(engine)
+        return True
+
+    def release(self, engine) -> None:
+        """Gives the blocks back (computed full blocks enter the prefix cache); safe to call more than once."""
+        if self.holds_blocks:
+            engine.scheduler.kv.release(self.req)
+            self.holds_blocks = False

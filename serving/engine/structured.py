@@ -218,7 +218,7 @@ class StructuredOutputs:
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample_rows_masked(logits, st, output_ids, prompt_ids, banned, bitmask, num_logprobs: int = 0):
-    """runner.sample_rows with a packed allowed-token bitmask [S, ceil(V/32)] per row."""
+    """sampler.sample_rows with a packed allowed-token bitmask [S, ceil(V/32)] per row."""
     n = st.temperature.shape[0]
     return sample(
         logits[:n], st, output_ids, prompt_ids, banned, num_logprobs=num_logprobs, allowed_bitmask_bw=bitmask[:n]

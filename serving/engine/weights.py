@@ -14,9 +14,9 @@ copies into the engine's buffers in place.
 
 Quantised slots: a float weight for a slot holding a QuantizedArray is re-quantised by round-to-nearest in the
 format the slot holds (int8 / fp8 per channel or per tensor, int4 with its group size, symmetric or with zero
-points); a pre_scale (AWQ, SmoothQuant) and the activation format and scale are kept, so the layout and the
-compiled steps stay the same. GPTQ's error compensation and AWQ's scale search are not redone (they need
-calibration inputs).
+points; routed experts [E, K, N] expert by expert); a pre_scale (AWQ, SmoothQuant) and the activation format and
+scale are kept, so the layout and the compiled steps stay the same. GPTQ's error compensation and AWQ's scale
+search are not redone (they need calibration inputs).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from flax import nnx
 
 from model.quant import QuantizedArray, to_layout, with_stream_layout
 from model.quant_methods import rtn
+from model.quantize_model import rtn_experts
 from model.transformer import Transformer, abstract_model, model_params, storage_value, write_params
 from model.transformer import _param_slots as param_slots
 from model.transformer import _storage_slots as storage_slots
@@ -95,6 +96,8 @@ def own_model(model: Transformer) -> Transformer:
 
 def _requantize(name: str, w, like: QuantizedArray) -> QuantizedArray:
     """`w` (float [K, N], the logical weight) in the format and layout of `like` (see the module docstring)."""
+    if like.values.ndim == 3:  # routed experts [E, K, N], weight-only: expert by expert, as quantize_model made them
+        return _on_shardings(name, rtn_experts(w, like.fmt, like.group_size), like)
     w = jnp.asarray(w, jnp.float32)
     if like.pre_scale is not None:  # logical = pre_scale[:, None] * stored
         w = w / like.pre_scale.astype(jnp.float32)[:, None]

@@ -1,6 +1,6 @@
 """The speculative step: propose -> one verify pass -> processed target probs + rejection_sample -> emitted tokens.
 
-    before schedule   policy: k_r per running decode row (load + acceptance EMA, serving/core/spec_policy.py)
+    before schedule   policy: k_r per running decode row (load + acceptance EMA, serving/spec/policy.py)
                       host proposer (n-gram, trained heads): Request.spec_token_ids = drafts (the heads: with
                       their q)  |  model proposer: k_r placeholders
     schedule          the scheduler trims drafts to its budget and takes blocks for them (ScheduledRequest.num_draft)
@@ -13,7 +13,7 @@
                       applies stop ids / max_tokens token by token, rolls back rejected drafts' blocks
 
 Exactness: a row emits its accepted drafts and one token drawn by the rejection rule, so its tokens follow the
-target's processed distribution exactly (serving/speculative.py); under greedy decoding they are the target's
+target's processed distribution exactly (serving/spec/rule.py); under greedy decoding they are the target's
 argmax chain, the tokens plain decoding emits. Randomness: row r draws with row_keys(seed_r, tokens generated), so
 a seeded request gives the same tokens run to run (the draws differ from plain decoding's: same distribution,
 different stream).
@@ -24,7 +24,6 @@ top logprobs, and every row from `speculative_batch_threshold` running sequences
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -34,15 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.sampling import NEG_INF, SamplingTensors, pad_sampling
+from serving.config import SpeculativeConfig
 from serving.core.request import Request, RequestStatus
-from serving.core.scheduler_output import SchedulerOutput
-from serving.core.spec_policy import SpecPolicy, SpecPolicyConfig
-from serving.engine.decode_loop import has_penalties
-from serving.engine.proposers import NgramProposer, ProposalRow, Proposer
+from serving.core.scheduler_output import RowResult, SchedulerOutput, StepResult
+from serving.engine.output import OutputProcessor
 from serving.engine.runner import RowInput
-from serving.speculative import processed_target_probs, rejection_sample, row_keys
+from serving.engine.sampler import MAX_BANNED, Sampler, has_penalties, logprob_entry, sampling_tensors
+from serving.spec.policy import SpecPolicy, SpecPolicyConfig
+from serving.spec.proposers import NgramProposer, ProposalRow, Proposer
+from serving.spec.rule import processed_target_probs, rejection_sample, row_keys
 
-_MAX_BANNED = 8
 _UNBOUNDED = 1 << 30  # batch threshold standing for "speculate at any batch size"
 
 
@@ -79,33 +79,31 @@ class SpecDecoder:
     """Runs the speculative steps of one engine (module docstring).
 
     Args:
-      engine: the LLMEngine (its scheduler, runner, tracks and sampler are read each step).
-      proposer: drafts tokens (serving/engine/proposers.py, serving/engine/draft_model.py).
+      scheduler / runner: the engine's (assignable: the engine keeps them current).
+      sampler: the engine's sampler (rows without drafts, serving/engine/sampler.py).
+      outputs: the engine's output processor (where a row's emitted tokens end on a stop string).
+      proposer: drafts tokens (serving/spec/proposers.py, serving/spec/draft_model.py).
       max_k: num_speculative_tokens, the widest draft (the verify step's padded width).
       policy: the adaptive policy (default: tiers up to max_k, no load threshold).
-      sampling_tensors / logprob_entry: the engine's helpers (requests -> SamplingTensors; a logprobs entry).
     """
 
     def __init__(
         self,
-        engine,
+        scheduler,
+        runner,
+        sampler: Sampler,
+        outputs: OutputProcessor,
         proposer: Proposer,
         max_k: int,
         policy: SpecPolicy | None = None,
-        sampling_tensors=None,
-        logprob_entry=None,
     ):
-        self._engine = engine
-        self._sampling_tensors, self._logprob_entry = sampling_tensors, logprob_entry
+        self.scheduler, self.runner, self.sampler, self.outputs = scheduler, runner, sampler, outputs
         self.proposer = proposer
         self.max_k = max_k
         self.policy = policy or SpecPolicy(policy_config(max_k, 0))
         self.counters = SpecCounters()
         self.num_verify_steps = 0
         self._q: dict = {}  # request -> (draft_probs [n, k, V], its row) of its current drafts (sampling proposers)
-
-    scheduler = property(lambda self: self._engine.scheduler)
-    runner = property(lambda self: self._engine.runner)
 
     # Before and after the scheduler --------------------------------------------------------------------------
 
@@ -121,7 +119,7 @@ class SpecDecoder:
 
     def before_schedule(self) -> None:
         """Sets each running decode row's spec_token_ids: drafts (host proposer) or k placeholders."""
-        self._release_departed()
+        self.release_departed()
         running = [r for r in self.scheduler.running if r.status is RequestStatus.RUNNING]
         for r in running:
             r.spec_token_ids = []  # last step's, if the scheduler did not reach the row
@@ -136,7 +134,7 @@ class SpecDecoder:
             return
         ask_rows = [ProposalRow(r.request_id, r.all_token_ids, k) for r, k in asks]
         if getattr(self.proposer, "samples", False):  # drafts drawn from q with each row's sampling parameters
-            proposal = self.proposer.propose(ask_rows, self._sampling_tensors([r for r, _ in asks]))
+            proposal = self.proposer.propose(ask_rows, sampling_tensors([r for r, _ in asks]))
         else:
             proposal = self.proposer.propose(ask_rows)
         self._q = {}
@@ -159,16 +157,16 @@ class SpecDecoder:
 
     # The verify step -----------------------------------------------------------------------------------------
 
-    def step(self, out: SchedulerOutput) -> tuple[dict, dict | None]:
-        """Verifies this step's drafts in one target pass; returns (sampled, logprobs) for Scheduler.update."""
+    def step(self, out: SchedulerOutput) -> StepResult:
+        """Verifies this step's drafts in one target pass; returns the step's result for Scheduler.update."""
         self._fill_drafts(out)
         rows = [RowInput(sr.token_ids, sr.start_pos, sr.block_table, 1 + sr.num_draft) for sr in out.scheduled]
         logits = self.runner.forward(rows)  # [L, V]: row i's 1 + num_draft logits after those of rows < i
         first = np.cumsum([0] + [r.num_logits for r in rows])[:-1]
-        sampled, logprobs = self._sample_plain(out, logits, first)
+        result = self._sample_plain(out, logits, first)
         spec = [(i, sr) for i, sr in enumerate(out.scheduled) if sr.num_draft]
         tokens, n_emit = self._verify(logits, [(first[i], sr) for i, sr in spec])
-        for j, (_, sr) in enumerate(spec):
+        for j, (i, sr) in enumerate(spec):
             emitted = [int(t) for t in tokens[j, : n_emit[j]]]
             accepted = int(n_emit[j]) - 1
             self.policy.observe(sr.request_id, sr.num_draft, accepted)
@@ -180,11 +178,11 @@ class SpecDecoder:
                 c.accepted + accepted,
                 c.emitted + len(emitted),
             )
-            sampled[sr.request_id] = self._trim_at_stop(sr.request, emitted)
+            result.rows[i].token_ids = emitted[: self.outputs.stop_prefix(sr.request, emitted)]
         if getattr(self.proposer, "needs_hidden", False):
             self._record_hidden(out, first, {sr.request_id: int(n) for (_, sr), n in zip(spec, n_emit)})
         self.num_verify_steps += 1
-        return sampled, logprobs
+        return result
 
     def _record_hidden(self, out: SchedulerOutput, first: np.ndarray, n_emit: dict) -> None:
         """Hands the proposer each sampled row's hidden state at the position whose logits drew its last token."""
@@ -196,18 +194,21 @@ class SpecDecoder:
                 [sr.request_id for _, sr, _ in rows], [sr.request.num_tokens + n for _, sr, n in rows], hidden
             )
 
-    def _sample_plain(self, out: SchedulerOutput, logits, first: np.ndarray):
-        """Rows without drafts that sample: the engine's sampler on their last logit (penalties, logprobs, bans)."""
+    def _sample_plain(self, out: SchedulerOutput, logits, first: np.ndarray) -> StepResult:
+        """Rows without drafts that sample: the engine's sampler on their last logit (penalties, logprobs, bans);
+        the result's other rows are empty."""
+        result = StepResult(out, [RowResult() for _ in out.scheduled])
         plain = [(i, sr) for i, sr in enumerate(out.scheduled) if sr.sample and not sr.num_draft]
         if not plain:
-            return {}, None
+            return result
         reqs = [sr.request for _, sr in plain]
-        tok, lp, top_ids, top_lp = self._engine._sample(logits, reqs, [int(first[i]) for i, _ in plain])
-        sampled = {r.request_id: [int(tok[j])] for j, r in enumerate(reqs)}
-        if not any(r.sampling_params.logprobs is not None for r in reqs):
-            return sampled, None
-        entry = self._logprob_entry
-        return sampled, {r.request_id: [entry(r, tok[j], lp[j], top_ids[j], top_lp[j])] for j, r in enumerate(reqs)}
+        tok, lp, top_ids, top_lp = self.sampler.sample(logits, reqs, [int(first[i]) for i, _ in plain])
+        for j, (i, sr) in enumerate(plain):
+            row = result.rows[i]
+            row.token_ids = [int(tok[j])]
+            if sr.request.sampling_params.logprobs is not None:
+                row.logprobs = [logprob_entry(sr.request, tok[j], lp[j], top_ids[j], top_lp[j])]
+        return result
 
     def _verify(self, logits, spec: Sequence[tuple[int, object]]) -> tuple[np.ndarray, np.ndarray]:
         """(tokens [B, k+1], num_emitted [B]) of the draft rows, from the logits starting at each row's offset."""
@@ -219,14 +220,14 @@ class SpecDecoder:
         index = np.zeros((b, k1), np.int32)
         drafts = np.full((b, self.max_k), -1, np.int32)
         num_draft = np.zeros(b, np.int32)
-        banned = np.full((b, k1, _MAX_BANNED), -1, np.int32)
+        banned = np.full((b, k1, MAX_BANNED), -1, np.int32)
         for j, (off, sr) in enumerate(spec):
             d = sr.num_draft
             index[j] = off + np.minimum(np.arange(k1), d)
             drafts[j, :d] = sr.token_ids[len(sr.token_ids) - d :]
             num_draft[j] = d
             banned[j] = _banned_per_position(sr.request, k1)
-        st = pad_sampling(self._sampling_tensors([sr.request for _, sr in spec]), b)
+        st = pad_sampling(sampling_tensors([sr.request for _, sr in spec]), b)
         tokens, n_emit = _verify_rows(logits, index, banned, st, drafts, num_draft, self._draft_probs(spec, b))
         return np.asarray(tokens)[:n], np.asarray(n_emit)[:n]
 
@@ -241,8 +242,8 @@ class SpecDecoder:
         for n in r.logit_buckets:
             logits = r.zero_logits(n)
             for b in rows:
-                st = pad_sampling(self._sampling_tensors([]), b)
-                args = (np.zeros((b, k1), np.int32), np.full((b, k1, _MAX_BANNED), -1, np.int32), st)
+                st = pad_sampling(sampling_tensors([]), b)
+                args = (np.zeros((b, k1), np.int32), np.full((b, k1, MAX_BANNED), -1, np.int32), st)
                 drafts, num = np.zeros((b, self.max_k), np.int32), np.zeros(b, np.int32)
                 qs = [None] + ([jnp.zeros((b, self.max_k, r.cfg.vocab_size), jnp.float32)] if q else [])
                 for q_bkv in qs:
@@ -256,24 +257,7 @@ class SpecDecoder:
         q = jnp.stack([g[0][g[1]] for g in got])  # [n, k, V]
         return jnp.pad(q, ((0, b - q.shape[0]), (0, self.max_k - q.shape[1]), (0, 0)))
 
-    def _trim_at_stop(self, req: Request, emitted: list[int]) -> list[int]:
-        """Emitted tokens up to the one that completes a stop string (the engine then finishes the request)."""
-        stops = req.sampling_params.stop
-        track = self._engine._tracks.get(req.request_id)
-        if not stops or track is None or len(emitted) == 1:
-            return emitted
-        detok = copy.copy(track.detok)
-        detok.ids = list(track.detok.ids)
-        text = track.text
-        stop_ids = req.stop_ids()
-        for j, t in enumerate(emitted):
-            if t not in stop_ids:
-                text += detok.add([t])
-            if any(s and s in text for s in stops):
-                return emitted[: j + 1]
-        return emitted
-
-    def _release_departed(self) -> None:
+    def release_departed(self) -> None:
         """Drops the policy's and the proposer's state of requests that left (finished or aborted)."""
         live = set(self.scheduler.requests)
         for rid in self.policy.tracked - live:
@@ -294,9 +278,9 @@ def _may_speculate(req: Request) -> bool:
 
 def _banned_per_position(req: Request, k1: int) -> np.ndarray:
     """EOS and stop ids banned at each verify position j before min_tokens (the row's output then has j more)."""
-    out = np.full((k1, _MAX_BANNED), -1, np.int32)
+    out = np.full((k1, MAX_BANNED), -1, np.int32)
     p = req.sampling_params
-    ids = (list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids)))[:_MAX_BANNED]
+    ids = (list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids)))[:MAX_BANNED]
     for j in range(k1):
         if req.num_output_tokens + j < p.min_tokens and ids:
             out[j, : len(ids)] = ids
@@ -317,20 +301,21 @@ def _verify_rows(logits_lv, index_bk, banned_bkn, st: SamplingTensors, drafts_bk
     return rejection_sample(probs, q_bkv, drafts_bk, num_draft_b, keys)
 
 
-def make_spec_decoder(engine, model, sampling_tensors, logprob_entry) -> SpecDecoder | None:
-    """The SpecDecoder the engine's config asks for (None when speculation is off); the helpers as SpecDecoder's."""
-    spec = engine.config.speculative
+def make_spec_decoder(
+    spec: SpeculativeConfig, model, runner, scheduler, sampler: Sampler, outputs: OutputProcessor
+) -> SpecDecoder | None:
+    """The SpecDecoder `spec` asks for (None when speculation is off), over the engine's parts."""
     if spec.method is None:
         return None
     if spec.method == "ngram":
         proposer: Proposer = NgramProposer()
     elif spec.method == "medusa":
-        from serving.engine.head_proposer import make_medusa_proposer
+        from serving.spec.head_proposer import make_medusa_proposer
 
-        proposer = make_medusa_proposer(engine.runner, spec)
+        proposer = make_medusa_proposer(runner, spec)
     else:
-        from serving.engine.draft_model import make_model_proposer
+        from serving.spec.draft_model import make_model_proposer
 
-        proposer = make_model_proposer(spec.method, engine.runner, model, spec, model.dtype)
+        proposer = make_model_proposer(spec.method, runner, model, spec, model.dtype)
     policy = SpecPolicy(policy_config(spec.num_speculative_tokens, spec.speculative_batch_threshold))
-    return SpecDecoder(engine, proposer, spec.num_speculative_tokens, policy, sampling_tensors, logprob_entry)
+    return SpecDecoder(scheduler, runner, sampler, outputs, proposer, spec.num_speculative_tokens, policy)

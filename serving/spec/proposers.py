@@ -1,9 +1,9 @@
 """Draft proposers for speculative decoding: one interface, and the proposers that need no model.
 
-Each engine step, the scheduler gives every decode row a draft budget k_r (from serving/core/spec_policy.py); the
+Each engine step, the scheduler gives every decode row a draft budget k_r (from serving/spec/policy.py); the
 proposer drafts up to k_r tokens per row with the distribution q each was drawn from; the runner verifies all rows'
 drafts in one target pass (1 + num_draft[r] query tokens per row, logits at each) and
-`serving.speculative.rejection_sample` keeps the exact prefix. The proposer never decides correctness, only speed:
+`serving.spec.rule.rejection_sample` keeps the exact prefix. The proposer never decides correctness, only speed:
 any drafts are fine as long as `draft_probs` is the distribution they were really drawn from.
 
     rows (histories, k per row) --propose--> Proposal(draft_tokens [B, k_max], num_draft [B], draft_probs | None)
@@ -93,7 +93,7 @@ class Proposer(abc.ABC):
         del request_id
 
 
-def _check_rows(rows: Sequence[ProposalRow]) -> int:
+def check_rows(rows: Sequence[ProposalRow]) -> int:
     for r in rows:
         if r.k < 0:
             raise ValueError(f"request {r.request_id!r}: k must be >= 0, got {r.k}")
@@ -148,7 +148,7 @@ class NgramProposer(Proposer):
         return np.zeros(0, np.int32)
 
     def propose(self, rows: Sequence[ProposalRow]) -> Proposal:
-        k_max = _check_rows(rows)
+        k_max = check_rows(rows)
         draft = np.full((len(rows), k_max), -1, np.int32)
         num = np.zeros(len(rows), np.int32)
         for i, r in enumerate(rows):
@@ -210,7 +210,7 @@ class ReplayProposer(Proposer):
         return self._match[row.request_id]
 
     def propose(self, rows: Sequence[ProposalRow]) -> Proposal:
-        k_max = _check_rows(rows)
+        k_max = check_rows(rows)
         draft = np.full((len(rows), k_max), -1, np.int32)
         num = np.zeros(len(rows), np.int32)
         for i, r in enumerate(rows):

@@ -1,7 +1,7 @@
 """Speculative decoding inside the on-device decode loop: drafting (n-gram, trained Medusa heads or a draft model),
 verification and acceptance per iteration.
 
-The host-side speculative step (serving/engine/speculate.py) pays one host round trip per verify pass (~20 ms on the
+The host-side speculative step (serving/spec/verify.py) pays one host round trip per verify pass (~20 ms on the
 H200 with the host's work and dispatch gaps), while a pass over k + 1 tokens costs about what a one-token step does:
 per-pass overheads eat the gain. Here `num_steps` passes run inside one jitted `lax.while_loop`, like the plain
 decode loop (runner._loop_fn), so the round trip is paid once per loop. Per iteration, for every row:
@@ -29,14 +29,14 @@ decode loop (runner._loop_fn), so the round trip is paid once per loop. Per iter
 KV: a pass writes positions pos .. pos + k; those past the accepted length hold rejected drafts and are overwritten
 by the next pass (which writes its own positions before attending to them), or lie past the row's computed length
 when the loop ends (the scheduler rolls nothing back: the next step writes them first). Positions at or past
-start + limit (the blocks reserved, DecodeLoops._reserve) go to the null page; the block table is padded inside the
+start + limit (the blocks reserved, DecodeLoops.reserve) go to the null page; the block table is padded inside the
 loop so the kernel never reads past it. A row past its limit, or stopped, writes only the null page.
 
 The engine takes this path when speculation is on with any proposer (draft model: the host's catch-up makes its KV
-right below each row's last token first, ModelDraftProposer._catch_up), `speculative_device_loop` is
+right below each row's last token first, ModelDraftProposer.catch_up_rows), `speculative_device_loop` is
 set, the policy gives some row drafts (medusa: also when it gives none, so the hidden states stay current), and every
 row is a decode row that a plain decode loop could take (no stop strings, penalties, logprobs, min_tokens, grammar
-or logit bias: DecodeLoops._row_limit). With one compiled k the pass costs
+or logit bias: DecodeLoops.row_limit). With one compiled k the pass costs
 the same whatever a row drafts, so the policy's k per row only chooses between drafting (all k) and not (0).
 """
 
@@ -56,11 +56,12 @@ from flax import nnx
 from model.kv import PagedMeta
 from model.sampling import SamplingTensors, pad_sampling
 from serving.core.request import Request, RequestStatus
-from serving.core.scheduler_output import SchedulerOutput
-from serving.engine.draft_model import ModelDraftProposer
-from serving.engine.head_proposer import MedusaProposer, draw_drafts
-from serving.engine.proposers import NgramProposer, ProposalRow
-from serving.speculative import processed_target_probs, rejection_sample, row_keys
+from serving.core.scheduler_output import RowResult, SchedulerOutput, StepResult
+from serving.engine.sampler import sampling_tensors
+from serving.spec.draft_model import ModelDraftProposer
+from serving.spec.head_proposer import MedusaProposer, draw_drafts
+from serving.spec.proposers import NgramProposer, ProposalRow
+from serving.spec.rule import processed_target_probs, rejection_sample, row_keys
 
 MAX_STOP_IDS = 8  # stop ids per row the loop stops on (the scheduler applies every one anyway: this only saves work)
 
@@ -69,7 +70,7 @@ def _source_hash() -> str:
     """Key part for the executable cache, whose fingerprint covers the runner but not this module's traced code."""
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
-    for path in (__file__, os.path.join(here, "..", "speculative.py")):
+    for path in (__file__, os.path.join(here, "rule.py")):
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
@@ -271,18 +272,18 @@ class SpecLoops:
     loop drafts on device), then `run(out)` after it (None: run the step another way).
     """
 
-    def __init__(self, engine, sampling_tensors, enabled: bool = True):
-        self._engine = engine  # reads its spec decoder, runner, scheduler, decode loops, config and max_model_len
-        self._sampling_tensors = sampling_tensors  # requests -> SamplingTensors (the engine's)
+    def __init__(self, spec, loops, enabled: bool = True):
+        """spec: the engine's SpecDecoder (None: speculation off); loops: its DecodeLoops (row limits, block
+        reservations, and the scheduler, runner and decode_steps they hold)."""
+        self.spec, self.loops = spec, loops
         self.enabled = enabled
         self.num_loops = 0
         self._draft_on: dict[str, bool] | None = None
         self._tag = _source_hash()
 
-    spec = property(lambda self: self._engine.spec)
-    runner = property(lambda self: self._engine.runner)
-    scheduler = property(lambda self: self._engine.scheduler)
-    num_steps = property(lambda self: max(1, self._engine.config.decode_steps))
+    runner = property(lambda self: self.loops.runner)
+    scheduler = property(lambda self: self.loops.scheduler)
+    num_steps = property(lambda self: max(1, self.loops.k))
 
     @property
     def proposer(self) -> NgramProposer | MedusaProposer | ModelDraftProposer | None:
@@ -303,7 +304,7 @@ class SpecLoops:
     @property
     def own_kv(self) -> bool:
         """A draft model with a paged KV pool of its own (self-speculation uses the target's first layers')."""
-        return self.model_draft and self.proposer._target is None
+        return self.model_draft and not self.proposer.shares_target_kv
 
     @property
     def searched(self) -> int:
@@ -314,7 +315,7 @@ class SpecLoops:
     def history(self) -> int:
         """H, the history buffer's width: the tokens prompt lookup searches (the last max_history, at most
         max_model_len) plus what one loop appends, rounded up to 128: independent of the context length."""
-        n = min(self._engine.max_model_len, self.searched) + self.num_steps * (self.k + 1)
+        n = min(self.loops.max_model_len, self.searched) + self.num_steps * (self.k + 1)
         return -(-n // 128) * 128
 
     def _key(self, s: int, w: int) -> tuple:
@@ -366,8 +367,8 @@ class SpecLoops:
         self._draft_on = None
         if self.proposer is None or not self.spec.active():
             return False
-        sched, loops = self.scheduler, self._engine.loops
-        if sched.num_waiting and sched.num_running < self._engine.config.max_num_seqs:
+        sched, loops = self.scheduler, self.loops
+        if sched.num_waiting and sched.num_running < loops.max_num_seqs:
             return False  # a waiting request could be admitted: the host is needed between tokens
         running = list(sched.running)
         if not running or len(running) > self.runner.decode_buckets[-1]:
@@ -375,17 +376,18 @@ class SpecLoops:
         for r in running:
             if r.status is not RequestStatus.RUNNING or r.num_tokens - r.num_computed_tokens != 1:
                 return False
-            if loops._row_limit(r, 0) is None:
+            if loops.row_limit(r, 0) is None:
                 return False
-        self.spec._release_departed()
+        self.spec.release_departed()
         for r in running:
             r.spec_token_ids = []
         ks = self.spec.policy.num_speculative_tokens([r.request_id for r in running], batch_size=len(running))
         self._draft_on = {r.request_id: k > 0 for r, k in zip(running, ks)}
         return True
 
-    def run(self, out: SchedulerOutput) -> tuple[dict, None, dict] | None:
-        """Runs the loop over this step's rows; (sampled, None, computed) for Scheduler.update, or None."""
+    def run(self, out: SchedulerOutput) -> StepResult | None:
+        """Runs the loop over this step's rows; the step's result for Scheduler.update, or None (run it another
+        way)."""
         draft_on, self._draft_on = self._draft_on, None
         # No row drafts: prompt lookup leaves the step to the plain (chaining) decode loop; medusa keeps its loop,
         # which keeps each row's hidden state current for when the policy lets it draft again.
@@ -396,22 +398,17 @@ class SpecLoops:
             return None
         reqs = [sr.request for sr in out.scheduled]
         n_max = self.num_steps * (self.k + 1)
-        limits = [
-            min(n_max, r.sampling_params.max_tokens - r.num_output_tokens, self._engine.max_model_len - r.num_tokens)
-            for r in reqs
-        ]
-        if min(limits) < 1 or not self._engine.loops._reserve(reqs, limits):
+        limits = [min(n_max, r.remaining_tokens(self.loops.max_model_len)) for r in reqs]
+        if min(limits) < 1 or not self.loops.reserve(reqs, limits):
             return None
         if self.own_kv:  # the draft's KV right below each row's last token (its loop keeps it so from there)
-            p = self.proposer
-            p._catch_up([(row, p._valid_from(row)) for row in self._rows(reqs)])
+            self.proposer.catch_up_rows(self._rows(reqs))
         res = self.dispatch(reqs, limits, [draft_on[r.request_id] for r in reqs])
-        sampled, computed = {}, {}
+        rows = []
         c, policy = self.spec.counters, self.spec.policy
         for i, r in enumerate(reqs):
             n = int(res.counts[i])
-            sampled[r.request_id] = [int(t) for t in res.tokens[:n, i]]
-            computed[r.request_id] = n
+            rows.append(RowResult([int(t) for t in res.tokens[:n, i]], None, n))
             for d, e in zip(res.drafted[:, i], res.emitted[:, i]):
                 if d > 0 and e > 0:  # a pass with drafts: e - 1 of them were accepted (and emitted)
                     policy.observe(r.request_id, int(d), int(e) - 1)
@@ -423,7 +420,7 @@ class SpecLoops:
                         c.emitted + int(e),
                     )
         self.spec.num_verify_steps += int(np.count_nonzero(res.emitted.any(axis=1)))
-        return sampled, None, computed
+        return StepResult(out, rows)
 
     def dispatch(self, reqs: Sequence[Request], limits: Sequence[int], draft_on: Sequence[bool]) -> SpecLoopResult:
         """Runs one loop over `reqs` (running decode rows whose blocks cover num_tokens - 1 + limits[i] positions)
@@ -431,7 +428,7 @@ class SpecLoops:
         r = self.runner
         n = len(reqs)
         s = next(b for b in r.decode_buckets if b >= n)
-        w = r._width([req.block_ids for req in reqs])
+        w = r.width([req.block_ids for req in reqs])
         hist = np.zeros((s, self.history), np.int32)
         length = np.ones(s, np.int32)  # padding rows: one token at position 0, limit 0 (the null page only)
         offset = np.zeros(s, np.int32)
@@ -450,9 +447,9 @@ class SpecLoops:
             p = req.sampling_params
             ids = (list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids)))[:MAX_STOP_IDS]
             stops[i, : len(ids)] = ids
-        st = pad_sampling(self._sampling_tensors(reqs), s)
+        st = pad_sampling(sampling_tensors(reqs), s)
         key = self._key(s, w)
-        exe = r._executable(key, self._build, lambda: self._args(s, w), self._out_tree(key))
+        exe = r.executable(key, self._build, lambda: self._args(s, w), self._out_tree(key))
         args = (hist, length, offset, tables, lim, on, stops, st)
         if self.medusa:
             args = (*args, self.proposer.heads[1], *self._hidden_in(reqs, s))
@@ -463,7 +460,7 @@ class SpecLoops:
         r.kv_cache = kv[:n_t] if self.own_kv else kv
         if self.own_kv:
             self.proposer.runner.kv_cache = kv[n_t:]
-        r._count_routed(routed)
+        r.count_routed(routed)
         self.num_loops += 1
         if self.model_draft:  # the draft's KV is right below each row's new last token, on its present table
             counts = np.asarray(stats[0])
@@ -504,7 +501,7 @@ class SpecLoops:
         for w in r.width_buckets if widths is None else widths:
             for s in [b for b in r.decode_buckets if b < 2 * cap]:  # up to the bucket holding cap
                 key, args = self._key(s, w), self._args(s, w)
-                if key not in r._compiled and r._from_disk(key, args, self._out_tree(key)) is None:
+                if not r.has_executable(key) and r.load_from_disk(key, args, self._out_tree(key)) is None:
                     todo.append((key, args))
         threads = threads or max(1, (os.cpu_count() or 2) // 2)
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -512,6 +509,5 @@ class SpecLoops:
             for fut in concurrent.futures.as_completed(futures):
                 key, args = futures[fut]
                 exe = fut.result()
-                r._cache.store(key, args, r.mesh, exe)
-                r._keep(key, exe)
+                r.store(key, args, exe)
         return len(todo)

@@ -1,6 +1,6 @@
 """Speculative decoding's exact accept/reject rule, and the processed target distribution it must preserve.
 
-A proposer (serving/engine/proposers.py) drafts up to k tokens per row with their draft probabilities q; one target
+A proposer (serving/spec/proposers.py) drafts up to k tokens per row with their draft probabilities q; one target
 pass over the row's k+1 query tokens gives the target probabilities p at every position; `rejection_sample` turns
 (p, q, drafts) into the tokens the row emits this step: the accepted prefix of the drafts, then one more token.
 
@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from model.sampling import SamplingTensors, filter_logits
-from serving.core.spec_policy import expected_tokens
+from serving.spec.policy import expected_tokens
 
 __all__ = ["MIN_RESIDUAL_MASS", "expected_tokens_per_pass", "processed_target_probs", "rejection_sample", "row_keys"]
 

@@ -35,7 +35,7 @@ The cost model (`StepCostModel`), in units of a one-token single-row step:
 for N query tokens in the step (sum over rows of 1 + k_r) and D draft tokens: the roofline (the weight read
 floors the step at 1 until the knee, the tokens per step at which compute time equals the weight read; compute
 grows linearly after it), a per-token cost that does not amortise (KV reads, activations, sampling; the default
-0.0375 is the seed's goal of a 5-token verify at 1.15x a one-token step), and the proposer's cost (0 for n-gram; a
+0.0375 is the target of a 5-token verify at 1.15x a one-token step), and the proposer's cost (0 for n-gram; a
 draft model's cost per draft token relative to a target step). The default knee, 200 tokens, is about an 8B bf16
 model on an H200 (about 1 PFLOP/s over 4.8 TB/s, 2 FLOPs and 2 bytes per parameter per token). Tokens per unit
 cost = sum_r (1 - a_r^(k_r+1)) / (1 - a_r) / step_cost.

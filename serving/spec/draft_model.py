@@ -34,8 +34,8 @@ from flax import nnx
 
 from model.sampling import SamplingTensors
 from model.transformer import Transformer, abstract_model, build_model
-from serving.engine.proposers import Proposal, ProposalRow, Proposer, _check_rows
 from serving.engine.runner import ModelRunner, RowInput
+from serving.spec.proposers import Proposal, ProposalRow, Proposer, check_rows
 
 
 def truncated_model(model: Transformer, num_layers: int) -> Transformer:
@@ -70,6 +70,15 @@ class ModelDraftProposer(Proposer):
         self._valid: dict[Any, int] = {}  # request -> draft KV right below this position
         self._tables: dict[Any, list[int]] = {}  # request -> the block table the draft last wrote with
         self._proposed: dict[Any, tuple[int, int]] = {}  # request -> (its token count, k) at the last proposal
+
+    @property
+    def shares_target_kv(self) -> bool:
+        """Self-speculation: the draft reads and writes the target's first layers' KV (no pool of its own)."""
+        return self._target is not None
+
+    def catch_up_rows(self, rows: Sequence[ProposalRow]) -> None:
+        """Makes the draft's KV right below each row's last token (before a loop that keeps it so from there)."""
+        self._catch_up([(row, self._valid_from(row)) for row in rows])
 
     def _valid_from(self, r: ProposalRow) -> int:
         n = len(r.token_ids)
@@ -113,7 +122,7 @@ class ModelDraftProposer(Proposer):
             todo = rest
 
     def propose(self, rows: Sequence[ProposalRow]) -> Proposal:
-        k_max = _check_rows(rows)
+        k_max = check_rows(rows)
         draft = np.full((len(rows), k_max), -1, np.int32)
         num = np.zeros(len(rows), np.int32)
         live = [(i, r) for i, r in enumerate(rows) if r.k > 0]
@@ -143,7 +152,7 @@ class ModelDraftProposer(Proposer):
             self._valid[request_id] = n + min(num_accepted, k - 1)
 
     def loop_done(self, request_id: Any, valid: int, block_table: Sequence[int]) -> None:
-        """The on-device speculative loop (spec_loop.py) left the draft KV right below `valid` on this table."""
+        """The on-device speculative loop (device_loop.py) left the draft KV right below `valid` on this table."""
         self._proposed.pop(request_id, None)
         if self._target is None:
             self._valid[request_id], self._tables[request_id] = valid, list(block_table)

@@ -12,7 +12,7 @@ q_i does not depend on the earlier drafts: a valid special case of the rejection
 output stays exactly the target's. A recorded state is used only while the request still has the token count it was
 recorded at; a row without one (its first decode step, after a decode loop) gets no drafts that step, and the step
 records one. While the proposer may draft (SpecDecoder.takes) every engine step goes through the SpecDecoder or
-the on-device speculative loop (serving/engine/spec_loop.py: the same heads and draw, `draw_drafts`, per loop
+the on-device speculative loop (serving/spec/device_loop.py: the same heads and draw, `draw_drafts`, per loop
 iteration; the loop carries h and records it here when it ends), so the hidden states are never lost to a plain
 decode loop.
 """
@@ -30,9 +30,9 @@ from flax import nnx
 
 from model.medusa import MedusaHeads, head_logits, load_heads
 from model.sampling import SamplingTensors, pad_sampling
-from serving.engine.proposers import Proposal, ProposalRow, Proposer, _check_rows
 from serving.engine.runner import ModelRunner
-from serving.speculative import processed_target_probs, row_keys
+from serving.spec.proposers import Proposal, ProposalRow, Proposer, check_rows
+from serving.spec.rule import processed_target_probs, row_keys
 
 _DRAFT_STREAM = 7  # fold_in tag of the draft draws: independent of the verify step's (1) and its Gumbel draw (none)
 
@@ -82,7 +82,7 @@ class MedusaProposer(Proposer):
 
     def propose(self, rows: Sequence[ProposalRow], st: SamplingTensors | None = None) -> Proposal:
         """Drafts for rows with a current hidden state; `st`: the rows' sampling parameters (None: greedy)."""
-        k_max = _check_rows(rows)
+        k_max = check_rows(rows)
         draft = np.full((len(rows), k_max), -1, np.int32)
         num = np.zeros(len(rows), np.int32)
         live = [

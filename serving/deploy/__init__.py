@@ -1,0 +1,1 @@
+"""Replicas of the engine behind one OpenAI endpoint on Ray Serve (docs/deployment.md)."""
