@@ -12,11 +12,26 @@ must stay last).
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+
+import pytest
+
+# The suite's processes (workers and the servers they start) share no persistent compilation cache: an XLA:CPU
+# executable loaded from a cache another process wrote has crashed a worker (a segfault, or "Function ... not
+# found"). tests/test_compile_cache.py turns the cache on for the processes it starts.
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+
 HEAVY_FIRST = (  # serial seconds per file, one at a time: benchmarks/results/test_durations_cpu_2026-12-02b.json
     "test_spec_engine.py",  # 233 (2026-12-02 figure, not re-measured)
     "test_engine.py",  # 227
     "test_parallel_engine.py",  # 204 (2026-12-02 figure, not re-measured)
     "test_server.py",  # 142
+    "test_moe_quant.py",  # ~150 (2026-12-06, a loaded host; its expert-parallel case runs a fresh process)
+    "test_ray_serve.py",  # ~120 (2026-12-06, estimated from a run on a loaded host)
+    "test_hf_models.py",  # ~150 (same)
+    "test_deepseek_engine.py",  # ~75 of CPU in 4.5 min on a loaded host (same)
     "test_parallel_pipeline.py",  # 128
     "test_parallel_multihost_binaries.py",  # 106
     "test_gemma3.py",  # 100
@@ -26,11 +41,24 @@ HEAVY_FIRST = (  # serial seconds per file, one at a time: benchmarks/results/te
     "test_research.py",  # 77
     "test_server_clients.py",  # 69
     "test_oracle.py",  # 68 (2026-12-02 figure, not re-measured)
+    "test_gguf_moe_mla.py",  # ~60 (2026-12-06, a loaded host: two LLM greedy runs of ~25 s)
     "test_quant_engine.py",  # 67 (2026-12-02 figure, not re-measured)
     "test_parallel_data.py",  # 60
+    "test_ray_multihost.py",  # ~65 of CPU, 116 s on a loaded host (2026-12-06)
 )
 
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order and test order kept
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a file's last test (its module fixtures torn down), drops JAX's compiled executables. A worker runs
+    dozens of files; each XLA:CPU executable holds about six memory mappings, and a worker that kept every one it
+    compiled passed the kernel's 65,530 (vm.max_map_count) and crashed inside the compiler."""
+    yield
+    if (nextitem is None or nextitem.path != item.path) and "jax" in sys.modules:
+        gc.collect()
+        sys.modules["jax"].clear_caches()

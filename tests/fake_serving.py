@@ -4,7 +4,9 @@ Token id t is the character chr(97 + t % 26) ('a'..'z'); a prompt is its charact
 tokens (s + k) % 26 for k = 0, 1, ... with logprob -t / 10 (so best_of ranking is predictable), one per step.
 A prompt containing "CALLTOOL" makes the engine write a Hermes tool call; one starting with token REJECT is
 refused with a message naming the internal request id (as the real scheduler does). `gate` (threading.Event)
-blocks steps while cleared; `encode_delay_s` slows tokenising.
+blocks steps while cleared; `encode_delay_s` slows tokenising. Prompt logprobs run through a fake runner whose
+logits make token (p + 1) % 26 the most likely after position p; `runner.chunk_s` slows each chunk and
+`runner.rows` records the chunks (start, length).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 
 import numpy as np
 
-from serving.core.request import RequestOutput
+from serving.core.request import RequestOutput, prompt_token_ids
 from serving.core.scheduler_output import SchedulerStats
 
 VOCAB = 64
@@ -53,6 +55,48 @@ class FakeTokenizer:
 class _Kv:
     num_usable_blocks: int = 12
     block_size: int = 16
+    held: dict = dataclasses.field(default_factory=dict)  # request id -> blocks held by prompt-logprob work
+
+    def can_allocate(self, req, n: int) -> bool:
+        return -(-(req.num_computed_tokens + n) // self.block_size) <= self.num_usable_blocks
+
+    def allocate(self, req, n: int):
+        blocks = -(-(req.num_computed_tokens + n) // self.block_size)
+        req.block_ids = list(range(1, blocks + 1))
+        self.held[req.request_id] = blocks
+        return dataclasses.make_dataclass("Alloc", [("cow_pairs", tuple)])(())
+
+    def release(self, req) -> None:
+        self.held.pop(req.request_id, None)
+        req.block_ids = []
+
+
+class FakeRunner:
+    """The part of ModelRunner prompt-logprob chunks use."""
+
+    logit_buckets = (16,)
+
+    def __init__(self):
+        self.chunk_s = 0.0
+        self.rows: list[tuple[int, int]] = []
+
+    def copy_blocks(self, pairs) -> None:
+        pass
+
+    def router_load(self) -> None:  # a dense model
+        return None
+
+    def forward(self, rows) -> np.ndarray:
+        if self.chunk_s:
+            time.sleep(self.chunk_s)
+        logits = np.zeros((self.logit_buckets[0], VOCAB), np.float32)
+        off = 0
+        for r in rows:
+            self.rows.append((r.start, len(r.token_ids)))
+            pos = np.arange(r.start, r.start + len(r.token_ids))
+            logits[off + np.arange(len(pos)), (pos + 1) % 26] = 5.0
+            off += len(pos)
+        return logits
 
 
 class FakeScheduler:
@@ -78,6 +122,7 @@ class FakeEngine:
     def __init__(self, tokenizer: FakeTokenizer):
         self.tokenizer = tokenizer
         self.scheduler = FakeScheduler()
+        self.runner = FakeRunner()
         self.num_steps = 0
         self.gate = threading.Event()
         self.gate.set()
@@ -138,20 +183,7 @@ class FakeLLM:
         self.max_model_len = max_model_len
         self.config = dataclasses.make_dataclass("C", [("vocab_size", int)])(VOCAB)
         self.engine = FakeEngine(self.tokenizer)
-        self.score_calls: list[int] = []
 
     def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < VOCAB]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {VOCAB}): {bad[:5]}")
-        return ids
-
-    def score(self, ids) -> np.ndarray:
-        """Logits that make token (i + 1) % 26 the most likely after position i."""
-        self.score_calls.append(len(ids))
-        logits = np.zeros((len(ids), VOCAB), np.float32)
-        logits[np.arange(len(ids)), (np.arange(len(ids)) + 1) % 26] = 5.0
-        return logits
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return prompt_token_ids(ids, VOCAB)

@@ -43,6 +43,7 @@ NON_DEFAULT = dict(
     decode_steps=4,
     async_scheduling=False,
     max_prefill_tokens_while_decoding=128,
+    prefill_share_while_waiting=0.25,
     attention_backend="xla",
     warmup=False,
     compilation_cache_dir="/tmp/xla-cache",
@@ -74,7 +75,7 @@ def test_every_option_is_covered_here():
 def test_defaults():
     c = EngineConfig()
     assert c == EngineConfig.from_kwargs()
-    assert (c.max_num_seqs, c.max_num_batched_tokens, c.block_size, c.decode_steps) == (16, 256, 16, 8)
+    assert (c.max_num_seqs, c.max_num_batched_tokens, c.block_size, c.decode_steps) == (None, None, 16, None)
     assert c.num_kv_blocks is None and c.kv_cache_memory_fraction == 0.85 and c.kv_cache_dtype == "auto"
     assert c.enable_prefix_caching and c.policy == "fcfs" and c.warmup is None and c.attention_backend is None
     assert c.parallel.num_devices == 1 and c.speculative.method is None and c.quantization.method is None
@@ -163,6 +164,8 @@ BINARY_VALUES = dict(
     keep_alive_s=2.0,
     enable_docs=True,
     protect_metrics=True,
+    body_deadline_s=30.0,
+    stall_timeout_s=20.0,
     prompt=["hi", "there"],
     prompts_file="p.jsonl",
     max_tokens=7,
@@ -263,6 +266,20 @@ def tiny_llm():
     return LLM.from_model(random_model(ModelConfig.tiny()), NullTokenizer(), config)
 
 
+@pytest.mark.parametrize("backend, steps", [("cpu", 1), ("gpu", 8)])
+def test_decode_steps_default_streams_every_token_on_a_cpu(tiny_llm, monkeypatch, backend, steps):
+    """Unset, decode_steps is 1 on a CPU host (every token streamed when its step ends) and 8 on an accelerator
+    (multi-step loops still win there); a value the user sets is kept."""
+    import jax
+
+    from serving.engine.engine import LLMEngine
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    unset = tiny_llm.engine_config.replace(decode_steps=None)
+    assert LLMEngine(tiny_llm.model, tiny_llm.tokenizer, unset).config.decode_steps == steps
+    assert LLMEngine(tiny_llm.model, tiny_llm.tokenizer, unset.replace(decode_steps=4)).config.decode_steps == 4
+
+
 @pytest.mark.parametrize("warmup", [True, False])
 def test_warmup_option_reaches_the_engine(tiny_llm, monkeypatch, warmup):
     from serving.engine.engine import LLMEngine
@@ -319,7 +336,7 @@ def test_llm_construction_enables_the_compilation_cache(tiny_llm, monkeypatch, t
 
     calls = {}
     monkeypatch.setattr(jax.config, "update", lambda key, value: calls.__setitem__(key, value))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a CPU host keeps no compiled code on disk
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
 
     def no_checkpoint(model, **kwargs):
         raise FileNotFoundError("not loaded in this test")
@@ -337,15 +354,20 @@ def test_llm_construction_enables_the_compilation_cache(tiny_llm, monkeypatch, t
     assert calls == {}
 
 
-def test_cpu_hosts_keep_no_compiled_code_on_disk(monkeypatch):
+def test_cpu_hosts_keep_compiled_code_in_jax_cache_only(monkeypatch):
     import jax
 
+    from serving.engine import executable_cache
     from serving.engine import llm as llm_module
 
     calls = {}
     monkeypatch.setattr(jax.config, "update", lambda key, value: calls.__setitem__(key, value))
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     llm_module.enable_compilation_cache("/tmp/somewhere")
+    assert calls["jax_compilation_cache_dir"] == "/tmp/somewhere"
+    assert not executable_cache.caches_compiled_code()  # the runner's cache: not beside JAX's on a CPU
+    calls.clear()
+    llm_module.enable_compilation_cache("")
     assert calls == {}
 
 
@@ -363,3 +385,17 @@ def test_auto_dtype_is_bfloat16_on_an_accelerator_and_float32_on_a_cpu(monkeypat
         llm.parse_dtype("int8")
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig.from_kwargs(dtype="float64")
+
+
+def test_kv_pool_holds_what_the_limits_can_use(tiny_llm):
+    """A CPU host: one sequence of max_model_len, a block for each other sequence and the null page (free memory
+    is far above it here), and the start-up line says so."""
+    config = tiny_llm.engine_config.replace(num_kv_blocks=None)
+    assert config.usable_kv_blocks(64) == 64 // 16 + 2
+    assert config.replace(block_size=32, max_num_seqs=4).usable_kv_blocks(65) == 3 + 4
+    from serving.engine.llm import LLM
+
+    llm = LLM.from_model(tiny_llm.model, tiny_llm.tokenizer, config)
+    assert llm.engine.runner.num_blocks == config.usable_kv_blocks(64)
+    line = llm.kv_pool_summary()
+    assert line.startswith("KV pool: 80 tokens (6 blocks of 16)") and "2 sequences x 64" in line, line

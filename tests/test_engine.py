@@ -18,7 +18,7 @@ from serving.core.request import SamplingParams
 from serving.core.scheduler import Scheduler
 from serving.engine.engine import LLMEngine
 from serving.engine.reference import generate_reference
-from serving.engine.runner import sample_rows
+from serving.engine.sampler import sample_rows
 
 MAX_MODEL_LEN = 128
 DECODE_STEPS = 4
@@ -233,14 +233,14 @@ def test_async_scheduling_is_exact(engine, reference):
 def test_warm_chain_covers_every_chained_gather(engine):
     """After warm_chain, chained loops whose rows shrink (requests finishing at different lengths) compile no token
     gather while serving (the engine's warm-up used to leave them to first use)."""
-    from serving.engine.runner import _chain_tokens
+    from serving.engine.runner import chain_tokens
 
     use_scheduler(engine, enable_prefix_caching=False)
     engine.loops.warm_chain()
-    warmed, chained = _chain_tokens._cache_size(), engine.loops.num_chained
+    warmed, chained = chain_tokens._cache_size(), engine.loops.num_chained
     run(engine, [(p, greedy(m)) for p, m in zip(MIXED_PROMPTS, MIXED_MAX_TOKENS)])
     assert engine.loops.num_chained > chained
-    assert _chain_tokens._cache_size() == warmed, "a chained loop's gather compiled while serving"
+    assert chain_tokens._cache_size() == warmed, "a chained loop's gather compiled while serving"
 
 
 def test_greedy_with_prefix_caching_matches_reference(engine, reference):
@@ -496,7 +496,7 @@ def test_interpret_kernels_match_reference(llm):
     """The engine through our Pallas kernels (interpret mode) on a short run, over SmolLM2's first two layers (its
     head counts, head size and vocabulary; the kernels run per layer alike, and 30 interpreted layers cost about
     half a minute of the module's time) against the contiguous reference of that same two-layer model."""
-    from serving.engine.draft_model import truncated_model
+    from serving.spec.draft_model import truncated_model
 
     model = truncated_model(llm.model, 2)
     config = EngineConfig.from_kwargs(

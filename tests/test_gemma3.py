@@ -8,6 +8,7 @@ checkpoints.fetch_default --model gemma3-270m`): tokenizer ids, the chat templat
 512-token window edge) and identical 24-token greedy continuations on both generation paths.
 """
 
+import dataclasses
 import json
 import os
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from checkpoints import hf
+from checkpoints.gemma_tokenizer import GEMMA3_CHAT_TEMPLATE
 from checkpoints.loader import GEMMA3_270M, chunked_gguf_path
 from model.config import ModelConfig
 from model.kv import NoCache
@@ -186,8 +188,12 @@ def test_tokenizer_and_chat_template(fixture, gemma):
         assert tok.encode(case["text"], add_bos=False) == case["ids"], case["text"]
         assert tok.decode(case["ids"], skip_special_tokens=False) == case["decoded"]
     chat = next(p for p in meta["prompts"] if p["name"] == "chat")
-    assert tok.chat_template == meta["chat_template"]
-    assert tok.apply_chat_template(meta["chat_messages"], add_generation_prompt=True) == chat["text"]
+    assert tok.chat_template is None and not tok.has_chat_template  # a base model's GGUF: chat is refused
+    with pytest.raises(ValueError, match="chat template"):
+        tok.apply_chat_template(meta["chat_messages"], add_generation_prompt=True)
+    instruct = dataclasses.replace(tok, chat_template=GEMMA3_CHAT_TEMPLATE)  # Gemma 3's own, as HF renders it
+    assert GEMMA3_CHAT_TEMPLATE == meta["chat_template"]
+    assert instruct.apply_chat_template(meta["chat_messages"], add_generation_prompt=True) == chat["text"]
 
 
 def test_logits_match_within_1e3(fixture, gemma):

@@ -173,7 +173,6 @@ def test_model_door_takes_the_gemv_for_one_row(case, monkeypatch):
     from model import quant
 
     _, fmt, k, n, g, asym, per_tensor = case
-    monkeypatch.setattr(quant, "GEMV_BACKEND", "interpret")
     calls = []
     real = G.gemv
     monkeypatch.setattr(G, "gemv", lambda *a, **kw: calls.append(kw["fmt"]) or real(*a, **kw))
@@ -181,13 +180,16 @@ def test_model_door_takes_the_gemv_for_one_row(case, monkeypatch):
     w = values if fmt == "bf16" else quant.QuantizedArray(values, scales, zeros, fmt=fmt, group_size=g)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 1, k)), jnp.bfloat16)
     want = G.reference(x, values, scales, zeros, fmt=fmt, group_size=g, out_dtype=jnp.float32)
+    opts = quant.MatmulOptions(gemv_backend="interpret")  # the other paths stay on XLA on a CPU
     for out_dtype in (None, jnp.float32):
-        got = quant.matmul(x, w, out_dtype=out_dtype)
+        got = quant.matmul(x, w, out_dtype=out_dtype, options=opts)
         assert got.shape == (1, 1, n) and got.dtype == (out_dtype or x.dtype)
         assert rel_err(got, want) < 4e-3
     assert calls == [fmt, fmt]
-    quant.matmul(jnp.concatenate([x, x], axis=1), w)
+    quant.matmul(jnp.concatenate([x, x], axis=1), w, options=opts)
     assert len(calls) == 2
+    quant.matmul(x, w, options=quant.MatmulOptions(gemv_max_rows=(), gemv_backend="interpret"))
+    assert len(calls) == 2  # the option turns the GEMV off
 
 
 @pytest.mark.parametrize("method", ["int8", "int4_rtn"])
@@ -198,18 +200,21 @@ def test_engine_decodes_one_row_steps_through_the_gemv(method, monkeypatch):
     from model.config import ModelConfig
     from model.transformer import random_model
     from serving.engine.llm import LLM
+    from serving.engine.quantize import quantize_model
 
     cfg = ModelConfig.tiny()
     opts = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=32, num_kv_blocks=16, warmup=False)
 
-    def tokens():
-        llm = LLM.from_model(random_model(cfg, jnp.float32, seed=3), None, quantization=method, **opts)
+    def tokens(options=None):
+        model = random_model(cfg, jnp.float32, seed=3)
+        quantize_model(model, method)
+        quant.set_options(model, options)  # the weights carry the paths their steps take
+        llm = LLM.from_model(model, None, **opts)
         return llm.generate([[5, 17, 29, 41, 3, 8]], max_tokens=6, temperature=0.0, ignore_eos=True)[0].token_ids
 
     want = tokens()
     calls = []
     real = G.gemv
     monkeypatch.setattr(G, "gemv", lambda *a, **kw: calls.append(kw["fmt"]) or real(*a, **kw))
-    monkeypatch.setattr(quant, "GEMV_BACKEND", "interpret")
-    assert tokens() == want
+    assert tokens(quant.MatmulOptions(gemv_backend="interpret")) == want
     assert calls and set(calls) == {method[:4]}  # traced once per projection and one-row step shape

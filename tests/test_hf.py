@@ -203,7 +203,8 @@ def test_default_rope_parameters_and_mistral():
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn RoPE scaling needs"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "unsupported RoPE scaling"),
     ],
 )
 def test_config_errors(change, message):

@@ -19,12 +19,23 @@ def _run(monkeypatch, module, *argv):
 def test_matmul_rows_smoke(monkeypatch, tmp_path):
     out = tmp_path / "rows.json"
     _run(
-        monkeypatch, matmul_rows, "--smoke", "--rows", "1,3", "--paths", "bf16,engine,xla_fp8,stream", "--out", str(out)
+        monkeypatch,
+        matmul_rows,
+        "--smoke",
+        "--rows",
+        "1,3",
+        "--paths",
+        "bf16,engine,legacy,xla_fp8,stream,kernel,gemv_sweep,kernel_sweep",
+        "--out",
+        str(out),
     )
     cases = json.loads(out.read_text())["cases"]
-    # The GPU-only path (stream) is left out on a CPU; every other (format, rows, path) is timed once.
+    # The GPU-only paths (stream, kernel) are left out on a CPU, and the fp8 dot for the integer formats; every other
+    # (format, rows, path) is timed once.
     got = {(c["fmt"], c["rows"], c["path"]) for c in cases}
-    want = {(f, r, p) for f in matmul_rows.FORMATS for r in (1, 3) for p in ("bf16", "engine", "xla_fp8")}
+    paths = lambda f: ("engine", "legacy") + (("xla_fp8",) if "fp8" in f else ())  # noqa: E731
+    want = {(f, r, p) for f in matmul_rows.FORMATS for r in (1, 3) for p in paths(f)}
+    want |= {(matmul_rows.FORMATS[0], r, "bf16") for r in (1, 3)}  # the bf16 dot once per shape and row count
     assert got == want and len(cases) == len(want)
     assert all(c["us"] > 0 and "error" not in c for c in cases)
 

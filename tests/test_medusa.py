@@ -5,7 +5,7 @@ scale 2: mostly rejected) written to an Orbax checkpoint in a tmp dir and loaded
 be, and zero ones (each head then repeats the target's own next-token guess: mostly accepted here). Greedy output must equal plain decoding token for token under prefix caching, chunked prefill (a
 32-token budget under 40-60-token prompts) and forced preemption, with every KV block back afterwards; the hidden
 state the proposer drafts from must be the target's own at the request's last token; both through the on-device
-loop (serving/engine/spec_loop.py, the default) and the host verify path. Sampled rows through the loop: the first
+loop (serving/spec/device_loop.py, the default) and the host verify path. Sampled rows through the loop: the first
 emitted token follows the target's processed distribution (chi-square), with drafts from the heads' q. The
 training pipeline must write a checkpoint that loads, and lower its loss.
 """
@@ -31,14 +31,15 @@ from model.transformer import random_model
 from serving.config import EngineConfig
 from serving.core.request import SamplingParams
 from serving.core.scheduler import Scheduler
-from serving.core.spec_policy import SpecPolicy
-from serving.engine import spec_loop
-from serving.engine.engine import LLMEngine, _logprob_entry, _sampling_tensors
-from serving.engine.head_proposer import MedusaProposer
-from serving.engine.proposers import ProposalRow
+from serving.engine.engine import LLMEngine
 from serving.engine.runner import RowInput
-from serving.engine.speculate import SpecDecoder, policy_config
-from serving.speculative import processed_target_probs
+from serving.engine.sampler import sampling_tensors
+from serving.spec import device_loop
+from serving.spec.head_proposer import MedusaProposer
+from serving.spec.policy import SpecPolicy
+from serving.spec.proposers import ProposalRow
+from serving.spec.rule import processed_target_probs
+from serving.spec.verify import SpecDecoder, policy_config
 from tests.test_spec_device_loop import _chi2_pvalue
 
 CFG = ModelConfig.tiny(tie_word_embeddings=True)
@@ -115,12 +116,14 @@ def reference(engine):
 
 def _decoder(engine, heads) -> SpecDecoder:
     proposer = MedusaProposer(heads, engine.runner, K)
-    return SpecDecoder(engine, proposer, K, SpecPolicy(policy_config(K, 0)), _sampling_tensors, _logprob_entry)
+    return SpecDecoder(
+        engine.scheduler, engine.runner, engine.sampler, engine.outputs, proposer, K, SpecPolicy(policy_config(K, 0))
+    )
 
 
 @pytest.mark.parametrize("heads, device_loop", [("random", True), ("zero", True), ("random", False), ("zero", False)])
 def test_greedy_identical_with_prefix_cache_chunked_prefill_and_preemption(engine, reference, heads, device_loop):
-    """Through the on-device loop (serving/engine/spec_loop.py: heads drafting inside the loop) and the host path."""
+    """Through the on-device loop (serving/spec/device_loop.py: heads drafting inside the loop) and the host path."""
     spec = engine.spec if heads == "random" else _decoder(engine, _heads(0.0))
     assert spec.proposer.name == "medusa"
     loops = engine.spec_loops.num_loops
@@ -182,7 +185,7 @@ def test_sampled_drafts_are_drawn_from_q_and_seeded_runs_repeat(engine):
     proposer = engine.spec.proposer
     hidden = jax.random.normal(jax.random.key(0), (2, CFG.hidden_size))
     proposer.record(["g", "s"], [3, 3], hidden)
-    st = _sampling_tensors([_FakeRequest(0.0), _FakeRequest(1.0)])
+    st = sampling_tensors([_FakeRequest(0.0), _FakeRequest(1.0)])
     p = proposer.propose([ProposalRow("g", [5, 6, 7], K), ProposalRow("s", [5, 6, 7], 2)], st)
     q = np.asarray(p.draft_probs)
     assert p.num_draft.tolist() == [K, 2] and q.shape == (2, K, CFG.vocab_size)
@@ -259,7 +262,7 @@ def test_training_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
 
 
 def _medusa_first_tokens(engine, heads, hist: list[int], st_row: dict, n: int):
-    """(first emitted tokens [n], loop stats) of n rows with the same history through one medusa loop iteration (serving/engine/spec_loop.py), every row starting from the target's
+    """(first emitted tokens [n], loop stats) of n rows with the same history through one medusa loop iteration (serving/spec/device_loop.py), every row starting from the target's
     own hidden state at position len(hist) - 2 and drawing its drafts from the heads' q with its own seed."""
     r = engine.runner
     bs, t = r.block_size, len(hist)
@@ -268,13 +271,13 @@ def _medusa_first_tokens(engine, heads, hist: list[int], st_row: dict, n: int):
     model = nnx.merge(r.graphdef, r.params)
     h = model(jnp.asarray([hist]), jnp.arange(t)[None], None, NoCache(jnp.array([t])), return_hidden=True)[2][0, t - 2]
     graph, state = nnx.split(heads)
-    fn = spec_loop.spec_loop_fn(r, 1, K, ("medusa", graph))
+    fn = device_loop.spec_loop_fn(r, 1, K, ("medusa", graph))
     st = SamplingTensors.from_rows([dict(st_row, seed=i) for i in range(n)])
     tail = np.zeros((n, 128), np.int32)
     tail[:, 0] = hist[-1]
     ones, tables = np.ones(n, np.int32), np.tile(np.asarray(table, np.int32), (n, 1))
     args = (tail, ones, np.full(n, t - 1, np.int32), tables, np.full(n, K + 1, np.int32), ones)
-    stops = np.full((n, spec_loop.MAX_STOP_IDS), -1, np.int32)
+    stops = np.full((n, device_loop.MAX_STOP_IDS), -1, np.int32)
     hs, has = jnp.tile(h[None], (n, 1)), np.ones(n, bool)
     tok, (stats, _, _), r.kv_cache, _ = fn(r.params, r.kv_cache, *args, stops, st, state, hs, has)
     stats = np.asarray(stats)
@@ -304,6 +307,6 @@ def test_medusa_loop_first_token_distribution_is_the_targets(engine, monkeypatch
         b, k1 = target_probs.shape[:2]
         return jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1), jnp.minimum(num_draft + 1, k1)
 
-    monkeypatch.setattr(spec_loop, "rejection_sample", always_accept)
+    monkeypatch.setattr(device_loop, "rejection_sample", always_accept)
     wrong, _ = _medusa_first_tokens(engine, heads, hist, st_row, 2048)
     assert _chi2_pvalue(np.bincount(wrong, minlength=p.size).astype(np.float64), p) < 1e-6

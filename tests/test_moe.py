@@ -135,9 +135,13 @@ def test_expert_matmul_door():
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
     from model.quant import QuantizedArray
 
-    quantized = QuantizedArray(jnp.zeros((3, 64, 32), jnp.int8), jnp.ones((3, 32), jnp.float32))
-    with pytest.raises(ValueError, match="quantised expert weights"):
-        moe.expert_matmul(x, quantized, sizes)
+    # Quantised experts (every leaf leading with E) take the ragged_dot path (tests/test_moe_quant.py).
+    codes = jnp.round(w * 10).astype(jnp.int8)
+    quantized = QuantizedArray(codes, jnp.full((3, 32), 0.5, jnp.float32))
+    want = moe.expert_matmul(x, codes.astype(jnp.float32) * 0.5, sizes)
+    np.testing.assert_allclose(
+        np.asarray(moe.expert_matmul(x, quantized, sizes)), np.asarray(want), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_moe_config_presets_and_validation():

@@ -173,7 +173,7 @@ def test_convert_hf_checkpoint(tmp_path):
         hf_config = json.load(f)
     proc = run_convert("--src", src, "--dst", dst, "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
-    assert "loading" in proc.stderr and "(100%)" in proc.stderr and "Traceback" not in proc.stderr
+    assert "reading 21/21 (100%)" in proc.stderr and "Traceback" not in proc.stderr
     config, params, tokenizer = orbax_io.restore(dst)
     assert config.num_layers == hf_config["num_hidden_layers"] and tokenizer is None
     assert all(v.dtype == np.float32 for v in params.values())
@@ -275,6 +275,9 @@ def test_convert_gguf_logits_bit_identical(tmp_path):
     gguf_config, gguf_params, meta = load_gguf(src)  # Overlaps with the conversion.
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr
+    n = len(gguf_params)  # each tensor read once, under "reading"; then the save says what it does
+    assert stderr.count(f"reading {n}/{n} (100%)") == 1 and "loading" not in stderr, stderr
+    assert stderr.index("reading") < stderr.index(f"saving {n} tensors") < stderr.index("saved in"), stderr
     config, params, tokenizer = orbax_io.restore(dst)
     assert config == gguf_config and config.num_layers == 2
     assert config.eos_token_ids == (2, 0)  # the eos id, then <|endoftext|> found in the vocabulary
@@ -291,3 +294,16 @@ def test_convert_gguf_logits_bit_identical(tmp_path):
         gguf_tokenizer.chat_template,
     )
     np.testing.assert_array_equal(logits(config, params, ids), logits(gguf_config, gguf_params, ids))
+
+
+def test_checkpoints_import_nothing_from_serving():
+    """checkpoints/ sits below serving/ (the converter quantises through model/quantize_model.py)."""
+    import ast
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
+    for name in sorted(f for f in os.listdir(root) if f.endswith(".py")):
+        tree = ast.parse(open(os.path.join(root, name), encoding="utf-8").read())
+        for node in ast.walk(tree):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            modules += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(m == "serving" or m.startswith("serving.") for m in modules), (name, modules)

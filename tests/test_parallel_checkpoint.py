@@ -1,4 +1,4 @@
-"""Sharded Orbax checkpoints (issue 14 item 6) on forced CPU devices, in a fresh 8-device process.
+"""Sharded Orbax checkpoints on forced CPU devices, in a fresh 8-device process.
 
 `checkpoints.convert --mesh tp=4,pp=2` puts every tensor into its tp=4 NamedSharding and saves; restoring onto
 other meshes (tp=2, pp=2, tp=8, one device) reshards on read and gives back exactly the original parameters,

@@ -135,7 +135,7 @@ def test_invalid_meshes_are_refused():
         (ParallelConfig(tp=3), smol.replace(num_heads=12, num_kv_heads=2), "num_kv_heads=2 of smollm2_135m: one must"),
         (ParallelConfig(ep=2), smol, "expert_parallel_size=2 needs an MoE model"),
         (ParallelConfig(ep=4), moe, "expert_parallel_size=4 does not divide num_experts=6"),
-        (ParallelConfig(pp=4), smol, "pipeline_parallel_size=4 does not divide num_layers=30"),
+        (ParallelConfig(pp=8), smol.replace(num_layers=4), "pipeline_parallel_size=8 exceeds num_layers=4"),
     ]
     for parallel, cfg, message in cases:
         with pytest.raises(ValueError, match=message):

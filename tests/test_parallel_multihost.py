@@ -1,4 +1,4 @@
-"""Multi-host serving (issue 14 item 5) on loopback: 2 processes x 4 CPU devices joined by jax.distributed, one
+"""Multi-host serving on loopback: 2 processes x 4 CPU devices joined by jax.distributed, one
 tp=8 engine over all 8 devices. Process 0 schedules and samples (sharding/multihost.py LeaderRunner broadcasts
 its runner calls), process 1 replays them (`follow`). Greedy output, with chunked prefill, 4-step chained decode
 loops and a prefix-cache hit, equals a one-device engine's on process 0."""

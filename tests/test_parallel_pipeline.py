@@ -1,4 +1,4 @@
-"""Pipeline-parallel serving (issue 14 item 2) on forced CPU devices: the engine with its layers split into stages
+"""Pipeline-parallel serving on forced CPU devices: the engine with its layers split into stages
 must generate exactly what one device generates.
 
 Each test runs a script in a fresh process with XLA_FLAGS=--xla_force_host_platform_device_count=8. ENGINE serves
@@ -37,6 +37,7 @@ from model.transformer import build_model, random_model
 from serving.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from sharding.mesh import PIPELINE, TENSOR
+from sharding.config import stage_sizes
 from sharding.rules import kv_cache_heads
 
 family, meshes, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
@@ -64,8 +65,8 @@ for degrees in [{}] + meshes:
     runner = engine.runner
     pp, tp = degrees.get("pipeline_parallel_size", 1), degrees.get("tensor_parallel_size", 1)
     if pp > 1:
-        n, heads = cfg.num_layers // pp, kv_cache_heads(cfg.num_kv_heads, runner.mesh)
-        (pools,) = runner.kv_cache  # one "layer": per local layer l, arrays [pp, Hkv, P, ...], stage s = layer s*n + l
+        n, heads = max(stage_sizes(cfg.num_layers, pp)), kv_cache_heads(cfg.num_kv_heads, runner.mesh)
+        (pools,) = runner.kv_cache  # one "layer": per local layer l, arrays [pp, Hkv, P, ...]: layer start_s + l
         stack = runner.params["layers"][0]["stack"]  # per local layer l, its weights of every stage [pp, ...]
         assert len(pools) == len(stack) == n, (len(pools), len(stack))
         stages = nnx.merge(runner.graphdef, runner.params).layers[0]
@@ -125,6 +126,20 @@ for pp, m in ((2, 1), (2, 2), (2, 4), (4, 4), (4, 8)):
     assert busy.tolist() == table.sum(0).tolist() == [m] * pp, (pp, m, busy)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref[0]), rtol=2e-5, atol=2e-5)
     out[f"{pp}x{m}"] = float(table.mean())
+# Uneven stages: 5 layers in 2 stages (3, 2) and in 4 (1, 1, 2, 1) give the unsplit layers' output.
+cfg5 = ModelConfig.tiny(num_heads=8, num_kv_heads=2, num_layers=5)
+ref5, caches5 = x[None], init_paged_cache(5, 12, 4, 2, cfg5.head_dim, jnp.float32)
+for i, layer in enumerate(random_model(cfg5, jnp.float32, seed=4).layers):
+    ref5, _, _ = layer(ref5, jnp.asarray(pos)[None], inv, caches5[i], meta)
+for pp in (2, 4):
+    mesh = make_mesh(ParallelConfig(pp=pp), devices=jax.devices()[:pp])
+    layers = PipelinedLayers(random_model(cfg5, jnp.float32, seed=4), mesh, num_microbatches=2)
+    cache = init_stage_cache(5, 12, 4, 2, cfg5.head_dim, jnp.float32, mesh)[0]
+    graphdef, state = nnx.split(layers)
+    run = jax.jit(lambda st, c, x, p, mt: nnx.merge(graphdef, st).run(x, p, c, mt))
+    y, _, _ = run(state, cache, x, jnp.asarray(pos), meta)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref5[0]), rtol=2e-5, atol=2e-5)
+    out[f"5 layers in {pp}"] = list(layers.sizes)
 # The Pallas ragged kernel (interpreter) on each chunk's metadata, rows without queries mid-batch included, agrees
 # with the reference: what a GPU stage runs (default kernels) on the same split.
 from model.pipeline import split_meta
@@ -194,6 +209,13 @@ def test_pipeline_tiny_2_4_and_tp_x_pp():
 
 
 @pytest.mark.slow
+def test_pipeline_uneven_stages():
+    """4 layers in 3 stages of 1, 2 and 1 (vLLM's split): the engine generates what one device does."""
+    out = _run(ENGINE, "tiny", json.dumps([_pp(3)]), "9")
+    assert out["meshes"] == [json.dumps(_pp(3))]
+
+
+@pytest.mark.slow
 def test_pipeline_int8_kv():
     """int8 KV pages with their per-token scales, stacked per stage like the pages (pp 2, tp 2 x pp 2)."""
     _run(ENGINE, "tiny", json.dumps([_pp(2), _pp(2, 2)]), "9", json.dumps({"kv_cache_dtype": "int8"}))
@@ -215,7 +237,10 @@ def test_pipeline_schedule_and_microbatches():
     """Busy ticks counted on device = the GPipe table (m per stage of m + p - 1); ragged chunks cut mid-sequence
     (m = 2, 4, 8 over 16 tokens of 4 sequences) attend as the unsplit layers do, also through the Pallas kernel."""
     out = _run(SCHEDULE)
-    assert out == {"2x1": 1 / 2, "2x2": 2 / 3, "2x4": 4 / 5, "4x4": 4 / 7, "4x8": 8 / 11}
+    assert out == {
+        **{"2x1": 1 / 2, "2x2": 2 / 3, "2x4": 4 / 5, "4x4": 4 / 7, "4x8": 8 / 11},
+        **{"5 layers in 2": [3, 2], "5 layers in 4": [1, 1, 2, 1]},
+    }
 
 
 def test_gpipe_schedule_table():
@@ -228,15 +253,19 @@ def test_gpipe_schedule_table():
 
 
 def test_pipeline_meshes_refused():
-    """check_parallel names the option when the layers cannot be split into equal, identical stages."""
+    """check_parallel names the option when the layers cannot be split into stages of identical layer kinds, or
+    there are more stages than layers; uneven splits follow vLLM's rule."""
     from model.config import ModelConfig
-    from sharding.config import ParallelConfig, check_parallel
+    from sharding.config import ParallelConfig, check_parallel, stage_sizes, stage_starts
 
     smol = ModelConfig.smollm2_135m()
     check_parallel(ParallelConfig(pp=2), smol, 8)
     check_parallel(ParallelConfig(tp=3, pp=2), smol, 8)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=4 does not divide num_layers=30"):
-        check_parallel(ParallelConfig(pp=4), smol, 8)
+    check_parallel(ParallelConfig(pp=4), smol, 8)  # stages of 7, 8, 8, 7 layers
+    assert stage_sizes(30, 4) == (7, 8, 8, 7) and stage_starts(30, 4) == (0, 7, 15, 23)
+    assert stage_sizes(42, 4) == (10, 11, 11, 10) and stage_sizes(36, 5) == (7, 7, 7, 8, 7)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds num_layers=2"):
+        check_parallel(ParallelConfig(pp=4), ModelConfig.tiny(num_layers=2), 8)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 supports dense models"):
         check_parallel(ParallelConfig(pp=2), ModelConfig.tiny_moe(num_layers=2), 8)
     gemma = ModelConfig.tiny(num_layers=6, sliding_window=8, sliding_window_pattern=6)

@@ -18,6 +18,7 @@ from model.quant import QuantizedArray
 from model.transformer import _param_slots, model_params, random_model
 from serving.config import QUANTIZATIONS, EngineConfig
 from serving.core.scheduler import Scheduler
+from serving.engine import kv_pool
 from serving.engine import runner as runner_mod
 from serving.engine.quantize import int4_group, kv_cache_dtype, quantize_model
 
@@ -190,14 +191,14 @@ def test_pool_holds_about_twice_the_blocks(monkeypatch):
 
     m = Model()
     m.cfg = cfg
-    per = {d: runner_mod.kv_bytes_per_block(m, 16, d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)}
+    per = {d: kv_pool.kv_bytes_per_block(m, 16, d) for d in (jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)}
     assert per[jnp.int8] == per[jnp.float8_e4m3fn] == 2 * cfg.num_layers * cfg.num_kv_heads * 16 * (128 + 4)
-    monkeypatch.setattr(runner_mod, "_free_bytes", lambda mesh=None: (1 << 30, False))  # a host's memory
-    blocks = {d: runner_mod.size_kv_pool(m, 16, d, 0.5, 1 << 40) for d in per}
+    monkeypatch.setattr(kv_pool, "_free_bytes", lambda mesh=None: (1 << 30, False))  # a host's memory
+    blocks = {d: kv_pool.size_kv_pool(m, 16, d, 0.5, 1 << 40) for d in per}
     assert 1.9 < blocks[jnp.int8] / blocks[jnp.bfloat16] < 2.0
     assert 3.8 < blocks[jnp.float8_e4m3fn] / blocks[jnp.float32] < 4.0
     assert blocks[jnp.int8] == (1 << 29) // per[jnp.int8]
-    assert runner_mod.size_kv_pool(m, 16, jnp.int8, 0.5, 100) == 100  # a host: capped by what the limits use
+    assert kv_pool.size_kv_pool(m, 16, jnp.int8, 0.5, 100) == 100  # a host: capped by what the limits use
 
 
 def _fake_mesh(tp: int, pp: int):
@@ -213,12 +214,12 @@ def test_kv_pool_sized_per_device_on_a_mesh(monkeypatch):
     free memory holds tp * pp times the blocks (heads repeated up to tp when fewer: one head a device)."""
     m = type("Model", (), {})()
     m.cfg = ModelConfig.tiny(num_kv_heads=2)
-    monkeypatch.setattr(runner_mod, "_free_bytes", lambda mesh=None: (1 << 30, True))  # a device's memory: no cap
-    one = runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100)
-    assert one == (1 << 29) // runner_mod.kv_bytes_per_block(m, 16, jnp.bfloat16) > 100
-    assert runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(2, 1)) == 2 * one
-    assert runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(2, 2)) == 4 * one
-    assert runner_mod.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(4, 1)) == 2 * one  # 2 heads on 4
+    monkeypatch.setattr(kv_pool, "_free_bytes", lambda mesh=None: (1 << 30, True))  # a device's memory: no cap
+    one = kv_pool.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100)
+    assert one == (1 << 29) // kv_pool.kv_bytes_per_block(m, 16, jnp.bfloat16) > 100
+    assert kv_pool.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(2, 1)) == 2 * one
+    assert kv_pool.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(2, 2)) == 4 * one
+    assert kv_pool.size_kv_pool(m, 16, jnp.bfloat16, 0.5, 100, _fake_mesh(4, 1)) == 2 * one  # 2 heads on 4
 
 
 def test_kv_cache_dtype_option():
@@ -380,3 +381,35 @@ def test_fp8_kv_hadamard_rotation_is_exact_and_cuts_the_error():
     for dtype, kk in ((jnp.int8, k), (jnp.float8_e4m3fn, k[..., :48])):
         qq, ko = rotate_for_kv(q[..., : kk.shape[-1]], kk, dtype)
         assert ko is kk and qq.shape == kk.shape
+
+
+@pytest.mark.parametrize("method", ["int8", "int4_rtn"])
+def test_score_serves_the_quantised_weights(method):
+    """LLM(quantization=...).score(ids): the quantised model's logits, before and after the engine exists, and the
+    same next-token logprobs as the engine's `logprobs` (not the float model's: they differ)."""
+    tokens = PROMPTS[1]
+    float_logits = _llm().score(tokens)
+    llm = _llm(quantization=method)
+    logits = llm.score(tokens)  # no engine yet
+    want = random_model(CFG, jnp.float32, seed=3)
+    quantize_model(want, method)
+    np.testing.assert_allclose(logits, _eager_logits(want, tokens), rtol=1e-5, atol=1e-5)
+    assert np.abs(logits - float_logits).max() > 1e-3
+    lp = llm.logprobs([tokens[:-1]], [tokens[-1:]])[0].logprob  # through the paged engine
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(llm.score(tokens)[-2])[tokens[-1]], atol=2e-4)
+    np.testing.assert_array_equal(llm.score(tokens), logits)
+
+
+def test_quality_benchmark_api_paths_agree():
+    """benchmarks/quant_quality.py --path api: the perplexity read from `score` logits and from the paged engine's
+    `logprobs` agree on a float model, and equal the eager model's."""
+    from benchmarks.quant_quality import api_perplexity
+
+    llm = _llm()
+    eval_bt = np.asarray([PROMPTS[1][:12], PROMPTS[2][:12]])
+    from_score, from_engine = api_perplexity(llm, eval_bt, False), api_perplexity(llm, eval_bt, True)
+    nll = []
+    for row in eval_bt.tolist():
+        logp = jax.nn.log_softmax(jnp.asarray(_eager_logits(random_model(CFG, jnp.float32, seed=3), row)), axis=-1)
+        nll += [-float(logp[i, row[i + 1]]) for i in range(len(row) - 1)]
+    np.testing.assert_allclose([from_score, from_engine], np.exp(np.mean(nll)), rtol=1e-4)

@@ -222,3 +222,42 @@ def test_sequential_calibration_starts_from_float_inputs_and_then_sees_quantised
     )
     for n in names:
         np.testing.assert_array_equal(values(seq["int4_rtn"], n), values(plain["int4_rtn"], n))
+
+
+def test_calibration_sources(tmp_path):
+    """calibration_file: a .txt, a JSONL with a "text" field per line, or a directory of them; anything else is
+    refused by name. The default (model/calibration/) mixes prose and code, and every document reaches the budget."""
+    from model import quantize_model as qz
+
+    class Chars:  # one token per character: the tests read the sequences back as text
+        def encode(self, text):
+            return [ord(c) % 256 for c in text]
+
+    (tmp_path / "a.txt").write_text("alpha " * 50)
+    (tmp_path / "b.jsonl").write_text('{"text": "' + "beta " * 60 + '"}\n\n{"text": "gamma"}\n')
+    (tmp_path / "notes.md").write_text("ignored in a directory")
+    assert qz.calibration_texts(str(tmp_path / "b.jsonl")) == ["beta " * 60, "gamma"]
+    assert qz.calibration_texts(str(tmp_path)) == ["alpha " * 50, "beta " * 60, "gamma"]
+    rows = qz.calibration_tokens(Chars(), 256, str(tmp_path), max_tokens=1000)
+    texts = ["".join(map(chr, r)) for r in rows]
+    assert rows.shape == (2, 256) and texts[0].startswith("alpha") and texts[1].startswith("beta")
+    for bad, match in (
+        ("notes.md", "expected a .txt file"),
+        ("missing.txt", "does not exist"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            qz.calibration_texts(str(tmp_path / bad))
+    (tmp_path / "c.jsonl").write_text('{"text": 3}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:1: expected an object with a string \"text\""):
+        qz.calibration_texts(str(tmp_path / "c.jsonl"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="holds no text"):
+        qz.calibration_texts(str(empty))
+    default = qz.calibration_texts()
+    assert len(default) == 3 and any("def " in d for d in default) and sum(map(len, default)) > 40_000
+    rows = qz.calibration_tokens(Chars(), 256, None)
+    assert rows.shape == (qz.CALIBRATION_TOKENS // 256, 256)
+    docs = ["".join(chr(t) for t in Chars().encode(d)) for d in default]
+    sources = ["".join(map(chr, r)) for r in rows]
+    assert {next(i for i, d in enumerate(docs) if s in d) for s in sources} == {0, 1, 2}  # prose and code

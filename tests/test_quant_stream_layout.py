@@ -22,6 +22,7 @@ from pallas_kernels.stream_matmul_mgpu import dequantize
 from serving.config import EngineConfig
 from serving.engine import engine as engine_mod
 from serving.engine.llm import LLM
+from serving.engine.quantize import add_stream_layout, quantize_model
 
 CFG = ModelConfig.tiny()
 OPTS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=24, warmup=False)
@@ -91,15 +92,19 @@ def test_int4_engine_decodes_through_the_interpreted_kernel(monkeypatch):
     bf16 engine runs the streaming kernel (the Mosaic GPU interpreter here) and greedy tokens equal a plain int4
     engine's, which dequantises in XLA."""
     monkeypatch.setattr(engine_mod, "device_supports", lambda backend: True)
-    monkeypatch.setattr(quant, "STREAM_BACKEND", "interpret")
     calls = []
     real = stream_mod.stream_matmul
     monkeypatch.setattr(stream_mod, "stream_matmul", lambda x, w, **kw: calls.append(w.fmt) or real(x, w, **kw))
 
-    def llm(**options):
-        return LLM.from_model(random_model(CFG, jnp.bfloat16, seed=3), None, **(OPTS | options))
+    def llm(stream: bool):
+        model = random_model(CFG, jnp.bfloat16, seed=3)
+        quantize_model(model, "int4_rtn")
+        if stream:
+            add_stream_layout(model)
+        quant.set_options(model, quant.MatmulOptions(stream_backend="interpret", kernel_max_rows=()))
+        return LLM.from_model(model, None, **OPTS)
 
-    plain, streamed = llm(quantization="int4_rtn"), llm(quantization="int4_rtn", quantized_stream_layout=True)
+    plain, streamed = llm(False), llm(True)
     ws = _quantized(streamed)
     assert {w.group_size for w in ws} == {32, 64} and all(w.zeros is not None and _same_weight(w) for w in ws)
     tokens = _generate(plain)

@@ -1,4 +1,4 @@
-"""serving/engine/proposers.py ReplayProposer through the engine (tiny random model, CPU, XLA attention).
+"""serving/spec/proposers.py ReplayProposer through the engine (tiny random model, CPU, XLA attention).
 
 The proposer drafts the target's recorded greedy continuation, each token corrupted with probability 1 - p; the
 engine's greedy output must stay the recording (speculation is exact), and the per-token acceptance measured at
@@ -14,7 +14,7 @@ import pytest
 from model.config import ModelConfig
 from model.transformer import random_model
 from serving.core.request import SamplingParams
-from serving.engine.proposers import ProposalRow, ReplayProposer
+from serving.spec.proposers import ProposalRow, ReplayProposer
 
 CFG = ModelConfig.tiny(vocab_size=256, num_layers=1)
 MAX_TOKENS = 64

@@ -1,4 +1,4 @@
-"""The engine embedded in research code (issue 18): construction from params / modules, batched logprobs through
+"""The engine embedded in research code: construction from params / modules, batched logprobs through
 the paged engine, reproducible rollouts, in-place weight updates (no recompilation, no second copy, prefix cache
 cleared, quantised slots re-quantised, tensor parallel), and the RL example run small on SmolLM2.
 

@@ -9,6 +9,8 @@ slot written that should not be (or a page slot not written) fails too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,9 +215,10 @@ def test_attention_fused_equals_unfused(monkeypatch, kv_dtype, decode_only):
     inv_freq = rope_inv_freq(32, 1e4, None)
     assert meta.fuses_rope(cache, 2) == (jnp.dtype(kv_dtype) != jnp.float8_e4m3fn)
     runs = []
+    assert not dataclasses.replace(meta, fuse_rope=False).fuses_rope(cache, 2)
     for fused in (True, False):
-        monkeypatch.setattr(kvmod, "FUSE_ROPE_KV_WRITE", fused)
-        runs.append(attn(x, jnp.asarray(positions)[None], inv_freq, tuple(jnp.copy(c) for c in cache), meta))
+        m = dataclasses.replace(meta, fuse_rope=fused)
+        runs.append(attn(x, jnp.asarray(positions)[None], inv_freq, tuple(jnp.copy(c) for c in cache), m))
     (out_f, cache_f), (out_u, cache_u) = runs
     np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_u), rtol=1e-5, atol=1e-6)
     for a, b in zip(cache_f, cache_u):  # float32 K / scales: equal up to a fused multiply-add's last bit

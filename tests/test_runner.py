@@ -200,9 +200,9 @@ def test_steps_never_copy_the_kv_pool(model):
 
 
 def test_sampling_tensors_columns_match_the_per_row_dicts():
-    """engine._sampling_tensors builds columns from tuples; it must equal SamplingTensors.from_rows on the dicts."""
+    """sampler.sampling_tensors builds columns from tuples; it must equal SamplingTensors.from_rows on the dicts."""
     from serving.core.request import Request, SamplingParams
-    from serving.engine.engine import _sampling_tensors
+    from serving.engine.sampler import sampling_tensors as _sampling_tensors
 
     params = [
         SamplingParams(max_tokens=4, temperature=0.0, seed=3),

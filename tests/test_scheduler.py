@@ -8,7 +8,7 @@ import random
 import pytest
 
 from serving.core.request import Request, RequestStatus, SamplingParams
-from serving.core.scheduler import RequestRejected, Scheduler
+from serving.core.scheduler import RequestRejected, Scheduler, StepResult
 
 BS = 4
 EOS = 2
@@ -41,7 +41,7 @@ def step(s, token=7, per_request=None):
     for sr in out.scheduled:
         if sr.sample:
             sampled[sr.request_id] = [per_request.get(sr.request_id, token) if per_request else token]
-    done = s.update(out, sampled)
+    done = s.update(StepResult.build(out, sampled))
     s.check_invariants()
     return out, done
 
@@ -132,6 +132,29 @@ def test_prefill_cap_while_decoding_bounds_prompt_tokens_per_step():
         make(max_prefill_tokens_while_decoding=-1)
     with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
         make(max_prefill_tokens_while_decoding=8, enable_chunked_prefill=False)
+
+
+def test_a_long_prompt_leaves_room_for_prompts_waiting_behind_it():
+    """A running prompt's chunk takes prefill_share_while_waiting of the budget while a request waits that could
+    start, so a short prompt arriving during a long prefill starts in the next step; alone (or with the share at
+    1.0) the long prompt takes the whole budget."""
+    s = make(num_blocks=40, budget=16, max_model_len=128, prefill_share_while_waiting=0.5)
+    s.add_request(req("long", 100))
+    out, _ = step(s)
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("long", 16)]  # alone: everything
+    s.add_request(req("short", 5))
+    out, _ = step(s)
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("long", 8), ("short", 5)]
+    out, _ = step(s)  # nobody waits: the long prompt has the budget less the short row's decode token
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("short", 1), ("long", 15)]
+    full = make(num_blocks=40, budget=16, max_model_len=128)  # the default share (1.0): the arrival waits
+    full.add_request(req("long", 100))
+    step(full)
+    full.add_request(req("short", 5))
+    out, _ = step(full)
+    assert [(sr.request_id, len(sr.token_ids)) for sr in out.scheduled] == [("long", 16)]
+    with pytest.raises(ValueError, match="prefill_share_while_waiting"):
+        make(prefill_share_while_waiting=0.0)
 
 
 def test_max_num_seqs_limits_running():
@@ -381,12 +404,12 @@ def test_update_appends_several_tokens_and_stops_midway():
     r = req("a", 4, max_tokens=10)
     s.add_request(r)
     out = s.schedule()
-    s.update(out, {"a": [5, 6, 7]}, logprobs={"a": [-0.1, -0.2, -0.3]})
+    s.update(StepResult.build(out, {"a": [5, 6, 7]}, logprobs={"a": [-0.1, -0.2, -0.3]}))
     assert r.output_token_ids == [5, 6, 7] and r.output_logprobs == [-0.1, -0.2, -0.3]
     out = s.schedule()
     (sr,) = out.scheduled
     assert (sr.start_pos, sr.token_ids, sr.sample) == (4, [5, 6, 7], True)  # Same path as a prefill chunk.
-    done = s.update(out, {"a": [8, EOS, 9]})
+    done = s.update(StepResult.build(out, {"a": [8, EOS, 9]}))
     assert done == [r] and r.output_token_ids == [5, 6, 7, 8, EOS]
     s.check_invariants()
 
@@ -424,11 +447,11 @@ def test_update_rejects_missing_or_misplaced_tokens():
     s.add_request(req("a", 4))
     out = s.schedule()
     with pytest.raises(ValueError, match="non-final prefill chunk"):
-        s.update(out, {"a": [1]})
+        s.update(StepResult.build(out, {"a": [1]}))
     s2 = make()
     s2.add_request(req("a", 4))
     with pytest.raises(ValueError, match="got no token"):
-        s2.update(s2.schedule(), {})
+        s2.update(StepResult.build(s2.schedule(), {}))
 
 
 def test_engine_finish_for_stop_string_and_abort_between_schedule_and_update():
@@ -440,7 +463,7 @@ def test_engine_finish_for_stop_string_and_abort_between_schedule_and_update():
     assert r.finish_reason == "stop" and r.block_ids == [] and not s.requests.get("a")
     out = s.schedule()
     s.abort("b")
-    assert s.update(out, {"b": [7]}) == []  # Ignored: b is gone.
+    assert s.update(StepResult.build(out, {"b": [7]})) == []  # Ignored: b is gone.
     s.check_invariants()
     assert s.block_manager.num_used == 0
 
@@ -481,16 +504,16 @@ def test_multi_step_decode_with_lookahead(caching):
     cow = []
     assert s.reserve_lookahead([a], 7, cow) and cow == []
     assert sr.block_table == [1, 2] and a.block_ids == [1, 2, 3, 4]  # Positions up to 6 + 1 + 7 - 1 = 13.
-    s.update(out, {"a": [10 + i for i in range(8)]}, computed={"a": 8})
+    s.update(StepResult.build(out, {"a": [10 + i for i in range(8)]}, computed={"a": 8}))
     assert a.num_computed_tokens == 14 and a.num_tokens == 15  # The last sampled token still needs its KV.
     s.check_invariants()
     out = s.schedule()
     assert s.reserve_lookahead([a], 4, cow)
     with pytest.raises(ValueError, match="computed=9"):
-        s.update(out, {"a": [1, 2, 3, 4, 5]}, computed={"a": 9})
+        s.update(StepResult.build(out, {"a": [1, 2, 3, 4, 5]}, computed={"a": 9}))
     out = s.schedule()
     # EOS third of five: KV written for the two tokens after it is dropped with them.
-    done = s.update(out, {"a": [30, 31, EOS, 33, 34]}, computed={"a": 5})
+    done = s.update(StepResult.build(out, {"a": [30, 31, EOS, 33, 34]}, computed={"a": 5}))
     assert done == [a] and a.output_token_ids[-3:] == [30, 31, EOS] and a.num_computed_tokens == a.num_tokens
     s.check_invariants()
     if caching:
@@ -508,7 +531,7 @@ def test_lookahead_never_preempts():
     cow = []
     assert not s.reserve_lookahead([a], 8, cow)  # Would need 4 blocks.
     assert s.reserve_lookahead([a], 7, cow) and len(a.block_ids) == 3
-    s.update(out, {"a": [7]})  # A single step after all; the extra blocks stay with a.
+    s.update(StepResult.build(out, {"a": [7]}))  # A single step after all; the extra blocks stay with a.
     s.check_invariants()
 
 
@@ -677,7 +700,7 @@ def test_randomized_stress_no_leaks(seed, caching, policy):
         kv.run(out, rows)
         if rng.random() < 0.1 and s.requests:
             s.abort(rng.choice(sorted(s.requests)))  # Between schedule and update.
-        finished += len(s.update(out, sampled, computed=computed))
+        finished += len(s.update(StepResult.build(out, sampled, computed=computed)))
         preemptions += len(out.preempted_ids)
         for rid in out.preempted_ids:
             r = s.requests.get(rid)

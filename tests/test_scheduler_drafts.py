@@ -8,7 +8,7 @@ Pools are tiny (block_size 4) so block ids are exact: the free queue hands out 1
 import pytest
 
 from serving.core.request import Request, RequestStatus, SamplingParams
-from serving.core.scheduler import Scheduler
+from serving.core.scheduler import Scheduler, StepResult
 
 BS = 4
 EOS = 2
@@ -29,7 +29,7 @@ def step(s, sampled=None, token=7):
     out = s.schedule()
     tokens = {sr.request_id: [token] for sr in out.scheduled if sr.sample}
     tokens.update(sampled or {})
-    done = s.update(out, tokens)
+    done = s.update(StepResult.build(out, tokens))
     s.check_invariants()
     return out, done
 
@@ -48,7 +48,9 @@ def test_decode_row_verifies_drafts_and_rolls_back_rejected_blocks():
     # Positions 4 .. 9: the last token and five drafts, in blocks 1, 2, 3; the budget counts all six.
     assert rows(out) == {"a": (4, [7, 20, 21, 22, 23, 24], [1, 2, 3], 5)} and out.num_batched_tokens == 6
     assert out.scheduled[0].sample
-    done = s.update(out, {"a": [20, 21, 30]}, logprobs={"a": [-0.1, -0.2, -0.3]})  # Two accepted, then 30.
+    done = s.update(
+        StepResult.build(out, {"a": [20, 21, 30]}, logprobs={"a": [-0.1, -0.2, -0.3]})
+    )  # Two accepted, then 30.
     assert done == [] and a.output_token_ids == [7, 20, 21, 30] and a.output_logprobs == [-0.1, -0.2, -0.3]
     # Valid KV: positions 4 (7), 5 (20), 6 (21); 30 is computed next step. Block 3 held only rejected drafts.
     assert (a.num_computed_tokens, a.num_tokens, a.block_ids, a.spec_token_ids) == (7, 8, [1, 2], [])
@@ -95,10 +97,11 @@ def test_drafts_trimmed_to_max_model_len_and_max_tokens():
     a.spec_token_ids = [30, 31, 32, 33, 34, 35]
     b.spec_token_ids = [40, 41, 42]
     out = s.schedule()
-    # a: positions 8 .. 11 exist (3 drafts). b: 1 output, max_tokens 3: one draft and the bonus can still come.
-    assert rows(out) == {"a": (8, [7, 30, 31, 32], [1, 2, 4], 3), "b": (4, [7, 40], [3, 5], 1)}
-    done = s.update(out, {"a": [30, 31, 32, 39], "b": [40, 49]})
-    # Applied one token at a time: a reaches max_model_len at 32 (39 dropped), b reaches max_tokens at 49.
+    # Each row may still emit remaining_tokens: a, 3 before max_model_len (2 drafts and the bonus; a third draft
+    # at position 11 could be accepted but its bonus never emitted); b, 1 output of max_tokens 3: one draft.
+    assert rows(out) == {"a": (8, [7, 30, 31], [1, 2, 4], 2), "b": (4, [7, 40], [3, 5], 1)}
+    done = s.update(StepResult.build(out, {"a": [30, 31, 32], "b": [40, 49]}))
+    # Both end on their budget: a at max_model_len with the bonus 32, b at max_tokens with 49.
     assert {r.request_id: r.finish_reason for r in done} == {"a": "length", "b": "length"}
     assert a.output_token_ids == [7, 30, 31, 32] and a.num_tokens == 12 and b.output_token_ids == [7, 40, 49]
     assert s.block_manager.num_used == 0
@@ -175,15 +178,15 @@ def test_update_validates_draft_rows_before_changing_anything():
     a.spec_token_ids = [20, 21]
     out = s.schedule()
     with pytest.raises(ValueError, match="not a prefix"):
-        s.update(out, {"a": [21, 5]})
+        s.update(StepResult.build(out, {"a": [21, 5]}))
     with pytest.raises(ValueError, match="4 tokens"):
-        s.update(out, {"a": [20, 21, 5, 6]})
+        s.update(StepResult.build(out, {"a": [20, 21, 5, 6]}))
     with pytest.raises(ValueError, match="computed=2"):
-        s.update(out, {"a": [20, 5]}, computed={"a": 2})
+        s.update(StepResult.build(out, {"a": [20, 5]}, computed={"a": 2}))
     with pytest.raises(ValueError, match="got no token"):
-        s.update(out, {})
+        s.update(StepResult.build(out, {}))
     assert a.output_token_ids == [7] and a.num_computed_tokens == 4 and a.block_ids == [1, 2]
-    s.update(out, {"a": [20, 5]})
+    s.update(StepResult.build(out, {"a": [20, 5]}))
     assert a.output_token_ids == [7, 20, 5] and a.block_ids == [1, 2]
     s.check_invariants()
 

@@ -279,7 +279,7 @@ def test_lm_eval_local_completions_scores_a_local_task(live, tmp_path):
 def test_lm_eval_rolling_perplexity_matches_offline(live, tmp_path):
     """lm-eval's loglikelihood_rolling (a perplexity task) through the server equals the offline figure of the
     same held-out text: same tokens through /tokenize, and per window the summed logprob of LLM.score (no server)
-    on lm-eval's own windows; the token perplexity within 0.1% (issue 13)."""
+    on lm-eval's own windows; the token perplexity within 0.1%."""
     from benchmarks import lm_eval_ppl
 
     llm, url = live

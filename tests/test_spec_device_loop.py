@@ -1,4 +1,4 @@
-"""Speculative decoding inside the on-device decode loop (serving/engine/spec_loop.py), on CPU.
+"""Speculative decoding inside the on-device decode loop (serving/spec/device_loop.py), on CPU.
 
 The device drafts are NgramProposer's on random histories; greedy output through the engine is token-identical with
 the device loop, the host verify path and speculation off (tiny random model: max_tokens mid-iteration, a stop id,
@@ -25,14 +25,14 @@ from model.sampling import SamplingTensors
 from model.transformer import random_model
 from serving.config import EngineConfig
 from serving.core.request import SamplingParams
-from serving.core.spec_policy import SpecPolicy
-from serving.engine import spec_loop
-from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, runner_like
 from serving.engine.engine import LLMEngine
-from serving.engine.proposers import NgramProposer
 from serving.engine.runner import RowInput
-from serving.engine.speculate import policy_config
-from serving.speculative import processed_target_probs
+from serving.spec import device_loop
+from serving.spec.draft_model import ModelDraftProposer, make_model_proposer, runner_like
+from serving.spec.policy import SpecPolicy
+from serving.spec.proposers import NgramProposer
+from serving.spec.rule import processed_target_probs
+from serving.spec.verify import policy_config
 
 TINY = ModelConfig.tiny()
 OPTIONS = dict(
@@ -68,7 +68,7 @@ def test_device_drafts_match_ngram_proposer(max_n, min_n, max_history):
     for i, r in enumerate(rows):
         hist[i, : len(r)] = r
     lengths = np.array([len(r) for r in rows], np.int32)
-    fn = jax.jit(spec_loop.ngram_drafts, static_argnums=(2, 3, 4, 5))
+    fn = jax.jit(device_loop.ngram_drafts, static_argnums=(2, 3, 4, 5))
     drafts, found = (np.asarray(a) for a in fn(hist, lengths, k, max_n, min_n, max_history))
     proposer = NgramProposer(max_n=max_n, min_n=min_n, max_history=max_history)
     hits = 0
@@ -241,7 +241,22 @@ def test_model_drafts_in_the_device_loop_match_off(tiny, monkeypatch, kind):
     assert tiny.step() == [] and not tiny.spec.proposer.tracked  # an idle step releases the finished rows' state
 
 
-def test_draft_loop_from_the_executable_cache_and_no_pool_copies(tmp_path):
+@pytest.fixture
+def no_persistent_cache():
+    """JAX's persistent cache off for the test: on XLA:CPU an executable it loaded, serialized again into the
+    runner's cache, does not read back (why the engine keeps no executable cache on a CPU host; an earlier test in
+    the process may have turned JAX's cache on)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether its cache is used: decide again
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
+
+
+def test_draft_loop_from_the_executable_cache_and_no_pool_copies(tmp_path, no_persistent_cache):
     """A second engine on the same cache directory loads the twin draft's loops (their output tree holds the
     draft's KV beside the stats) and serves the same tokens; neither KV pool is copied inside the loop (both
     donated)."""
@@ -295,7 +310,7 @@ def _first_tokens(engine, hist: list[int], st_row: dict, n: int) -> np.ndarray:
     bs = r.block_size
     table = list(range(1, 1 + -(-(len(hist) + k + 1) // bs)))
     r.forward([RowInput(hist[:-1], 0, table)])  # the history's KV but the last token's (the loop writes it)
-    fn = spec_loop.spec_loop_fn(r, 1, k, ("ngram", 4, 1, 4096))
+    fn = device_loop.spec_loop_fn(r, 1, k, ("ngram", 4, 1, 4096))
     hw = 128
     tiled = np.zeros((n, hw), np.int32)
     tiled[:, : len(hist)] = hist
@@ -303,7 +318,7 @@ def _first_tokens(engine, hist: list[int], st_row: dict, n: int) -> np.ndarray:
     tables = np.tile(np.asarray(table, np.int32), (n, 1))
     lengths, offsets = np.full(n, len(hist), np.int32), np.zeros(n, np.int32)
     args = (tiled, lengths, offsets, tables, np.full(n, k + 1, np.int32), np.ones(n, np.int32))
-    stops = np.full((n, spec_loop.MAX_STOP_IDS), -1, np.int32)
+    stops = np.full((n, device_loop.MAX_STOP_IDS), -1, np.int32)
     tok, stats, r.kv_cache, _ = fn(r.params, r.kv_cache, *args, stops, st)
     stats = np.asarray(stats)
     assert np.all(stats[1] == k)  # every row drafted
@@ -349,7 +364,7 @@ def test_first_token_distribution_is_the_targets(tiny, monkeypatch):
         tokens = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
         return tokens, jnp.minimum(num_draft + 1, k1)
 
-    monkeypatch.setattr(spec_loop, "rejection_sample", always_accept)
+    monkeypatch.setattr(device_loop, "rejection_sample", always_accept)
     wrong, _ = _first_tokens(tiny, hist, st_row, N_DRAWS)
     assert _chi2_pvalue(np.bincount(wrong, minlength=p.size).astype(np.float64), p) < 1e-6
 

@@ -17,10 +17,9 @@ import pytest
 
 from serving.core.request import SamplingParams
 from serving.core.scheduler import Scheduler
-from serving.core.spec_policy import SpecPolicy, SpecPolicyConfig
-from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, runner_like, truncated_model
-from serving.engine.engine import _logprob_entry, _sampling_tensors
-from serving.engine.speculate import SpecDecoder, _banned_per_position, policy_config
+from serving.spec.draft_model import ModelDraftProposer, make_model_proposer, runner_like, truncated_model
+from serving.spec.policy import SpecPolicy, SpecPolicyConfig
+from serving.spec.verify import SpecDecoder, _banned_per_position, policy_config
 
 MAX_MODEL_LEN = 160
 OPTIONS = dict(
@@ -84,7 +83,9 @@ def _speculating(engine, spec):
 
 
 def _decoder(engine, proposer) -> SpecDecoder:
-    return SpecDecoder(engine, proposer, 3, SpecPolicy(policy_config(3, 0)), _sampling_tensors, _logprob_entry)
+    return SpecDecoder(
+        engine.scheduler, engine.runner, engine.sampler, engine.outputs, proposer, 3, SpecPolicy(policy_config(3, 0))
+    )
 
 
 def _run(engine, requests):
@@ -211,7 +212,8 @@ def test_speculation_stops_at_the_batch_threshold(llm, prompts):
         return out
 
     sched.schedule = spy
-    loops, dispatch = [], engine.spec_loops.dispatch  # rows of each on-device speculative loop (spec_loop.py)
+    # rows of each on-device speculative loop (serving/spec/device_loop.py)
+    loops, dispatch = [], engine.spec_loops.dispatch
     engine.spec_loops.dispatch = lambda reqs, *a: loops.append(len(reqs)) or dispatch(reqs, *a)
     try:
         _run(engine, [(prompts[0], SamplingParams(max_tokens=m, temperature=0.0)) for m in (8, 16, 30)])
@@ -253,7 +255,7 @@ def test_truncated_model_shares_the_target_arrays(llm):
 def test_acceptance_metrics_reach_prometheus():
     from serving.api.async_engine import EngineStats
     from serving.api.metrics import ServerMetrics
-    from serving.engine.speculate import SpecCounters
+    from serving.spec.verify import SpecCounters
 
     counters = SpecCounters(passes=4, drafted=10, accepted=8, emitted=12)
     text = ServerMetrics(lambda: EngineStats(speculative={"ngram": counters.as_dict()})).render().decode()

@@ -1,4 +1,4 @@
-"""serving/core/spec_policy.py: tiers from the acceptance EMA, the load ramp, and smooth throughput across the
+"""serving/spec/policy.py: tiers from the acceptance EMA, the load ramp, and smooth throughput across the
 batch threshold under the step-cost model."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from serving.core.spec_policy import SpecPolicy, SpecPolicyConfig, StepCostModel, expected_tokens
+from serving.spec.policy import SpecPolicy, SpecPolicyConfig, StepCostModel, expected_tokens
 
 MAX_DROP = 0.05
 

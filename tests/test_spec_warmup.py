@@ -7,7 +7,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.transformer import random_model
 from serving.engine.llm import LLM
-from serving.engine.speculate import _verify_rows
+from serving.spec.verify import _verify_rows
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""serving/speculative.py: the rejection sampler's output is exactly the target's distribution.
+"""serving/spec/rule.py: the rejection sampler's output is exactly the target's distribution.
 
 The harness generates token streams from a toy Markov "language model" (target P[prev] and draft Q[prev], V x V)
 by repeated speculative steps: draft k tokens from Q, build the target's k+1 conditionals from the drafts (what a
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from model.sampling import SamplingTensors, sample
-from serving.speculative import (
+from serving.spec.rule import (
     expected_tokens_per_pass,
     processed_target_probs,
     rejection_sample,
@@ -434,7 +434,7 @@ def test_first_token_on_smollm2():
 
 
 def _ngram(**kw):
-    from serving.engine.proposers import NgramProposer
+    from serving.spec.proposers import NgramProposer
 
     return NgramProposer(**kw)
 
@@ -456,7 +456,7 @@ def test_ngram_proposes_the_continuation_of_the_longest_recent_match():
 
 
 def test_ngram_batch_proposal_layout():
-    from serving.engine.proposers import ProposalRow
+    from serving.spec.proposers import ProposalRow
 
     rows = [ProposalRow("a", [1, 2, 3, 1, 2], 3), ProposalRow("b", [4, 5], 5), ProposalRow("c", [1, 1, 1, 1], 2)]
     prop = _ngram().propose(rows)
@@ -467,7 +467,7 @@ def test_ngram_batch_proposal_layout():
 
 
 def test_ngram_bad_options_raise():
-    from serving.engine.proposers import ProposalRow
+    from serving.spec.proposers import ProposalRow
 
     for kw, match in (
         (dict(min_n=0), "min_n"),
@@ -483,7 +483,7 @@ def test_ngram_bad_options_raise():
 
 
 def test_replay_greedy_counts_passes_and_acceptance():
-    from serving.engine.proposers import replay_greedy
+    from serving.spec.proposers import replay_greedy
 
     # pass 1: no match, emits 1; pass 2: [1] matches, drafts [2, 3, 4], all right, emits them + 5.
     r = replay_greedy(_ngram(), [1, 2, 3, 4, 5], [1, 2, 3, 4, 5], k=3)
@@ -498,7 +498,7 @@ def test_replay_greedy_counts_passes_and_acceptance():
 def test_ngram_drafts_through_the_sampler_keep_the_greedy_chain():
     """The n-gram proposer's one-hot drafts verified by rejection_sample against a greedy (one-hot) target emit
     exactly the target's tokens, and as many per pass as replay_greedy predicts."""
-    from serving.engine.proposers import ProposalRow, replay_greedy
+    from serving.spec.proposers import ProposalRow, replay_greedy
 
     v, k = 8, 4
     nxt = np.array([1, 2, 3, 0, 5, 6, 4, 7])  # a greedy target that cycles: copy-friendly

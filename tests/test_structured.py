@@ -86,7 +86,7 @@ def llm():
 def _run(engine, requests) -> dict:
     """Submits (prompt ids, SamplingParams) pairs together and steps until all finish: rid -> finished track."""
     rids = [engine.add_request(ids, params) for ids, params in requests]
-    while any(rid in engine._tracks for rid in rids):
+    while any(engine.running(rid) for rid in rids):
         engine.step()
     return {rid: engine.pop_finished(rid) for rid in rids}
 
@@ -192,8 +192,8 @@ def test_constrained_row_takes_the_step_path(llm):
 
     plain = Request("a", [1, 2, 3], _greedy(32))
     tied = Request("b", [1, 2, 3], _greedy(32, Constraint("json_object")))
-    assert loops._row_limit(plain, 0) == llm.engine.config.decode_steps
-    assert loops._row_limit(tied, 0) is None
+    assert loops.row_limit(plain, 0) == llm.engine.config.decode_steps
+    assert loops.row_limit(tied, 0) is None
 
 
 def test_regex_and_json_object(llm):

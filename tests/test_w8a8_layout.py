@@ -107,7 +107,7 @@ def test_decode_reads_the_nk_buffer_without_a_copy(monkeypatch):
 
 @pytest.mark.parametrize("method", ["w8a8_int8", "w8a8_fp8_rtn"])
 def test_decode_fake_quantises_x_in_one_pass(method, monkeypatch):
-    """Below W8A8_MIN_ROWS, where the act_quant kernel runs (here its interpreter), x is pre-scaled, quantised and
+    """Below w8a8_min_rows, where the act_quant kernel runs (here its interpreter), x is pre-scaled, quantised and
     dequantised by its one-pass fake_quantize: the same numbers as the jnp passes this CPU takes by default."""
     from pallas_kernels import act_quant  # noqa: PLC0415
 
@@ -118,7 +118,6 @@ def test_decode_fake_quantises_x_in_one_pass(method, monkeypatch):
     real = act_quant.fake_quantize
     monkeypatch.setattr(act_quant, "fake_quantize", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
     assert quant.matmul(x, q) is not None and calls == []  # no kernel backend on this CPU: the jnp passes
-    monkeypatch.setattr(quant, "ACT_QUANT_BACKEND", "interpret")
-    got = quant.matmul(x, q)
+    got = quant.matmul(x, q, options=quant.MatmulOptions(act_quant_backend="interpret"))
     assert calls == ["interpret"] and got.shape == (2, 5, 64)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -179,7 +179,7 @@ class TestGpu(W8A8MatmulBase):
 
     def test_fp8_error_at_4096_default_config(self):
         """fp8 at M = K = N = 4096 with the default config (promotion every 128 of K) within 0.5% of the exact f32
-        product. Written for the H200 (session 6; to be run there next session): without promotion the kernel gave
+        product. Written for the H200: without promotion the kernel gave
         2.56% there, 0.26% in the interpreter. The oracle itself is checked against a host f64 product on 64 rows,
         so an oracle that took an fp8 dot (and shared the kernel's error) fails here instead of hiding it."""
         m = k = n = 4096
@@ -325,7 +325,7 @@ def test_out_rows_tile_the_swizzled_store():
 
 @pytest.mark.parametrize("method", ["smoothquant_int8", "fp8_dynamic", "fp8_static"])
 def test_quant_matmul_takes_the_kernel_for_prefill(monkeypatch, method):
-    """model/quant.py's W8A8 formats run this kernel from W8A8_MIN_ROWS rows (here in the interpreter) and agree
+    """model/quant.py's W8A8 formats run this kernel from w8a8_min_rows rows (here in the interpreter) and agree
     with the fake-quantise-then-dot oracle; fewer rows keep the old path."""
     from model import quant  # noqa: PLC0415
     from model import quant_methods as qm  # noqa: PLC0415
@@ -341,21 +341,23 @@ def test_quant_matmul_takes_the_kernel_for_prefill(monkeypatch, method):
     calls = []
     real = wm.w8a8_matmul
     monkeypatch.setattr(wm, "w8a8_matmul", lambda *a, **kw: calls.append(kw["wq_layout"]) or real(*a, **kw))
-    monkeypatch.setattr(quant, "W8A8_BACKEND", "interpret")
-    out = quant.matmul(x, q)
+    opts = quant.MatmulOptions(w8a8_backend="interpret")
+    out = quant.matmul(x, q, options=opts)
     assert calls == ["kn"] and out.shape == (2, 128, 256) and out.dtype == jnp.bfloat16
     ref = quant.reference_matmul(x, q)
     assert _rel(out, ref) < 2e-2
-    quant.matmul(x[:1, :100], q)  # 100 rows: decode-sized, not the kernel
+    quant.matmul(x[:1, :100], q, options=opts)  # 100 rows: decode-sized, not the kernel
     assert calls == ["kn"]
     if method == "fp8_dynamic":  # a weight with the streaming kernel's [N, K] copy is read as is, not transposed
-        assert _rel(quant.matmul(x, quant.with_stream_layout(q)), ref) < 2e-2 and calls == ["kn", "nk"]
+        assert _rel(quant.matmul(x, quant.with_stream_layout(q), options=opts), ref) < 2e-2 and calls == ["kn", "nk"]
     calls.clear()
     # Stored [N, K] (what quantize_model does for W8A8): read as is, the same numbers as the [K, N] weight's.
     q_nk = quant.to_layout(q, "nk")
     np.testing.assert_array_equal(np.asarray(q_nk.values), np.asarray(q.values).T)
     assert q_nk.shape == q.shape
-    np.testing.assert_array_equal(np.asarray(quant.matmul(x, q_nk), np.float32), np.asarray(out, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(quant.matmul(x, q_nk, options=opts), np.float32), np.asarray(out, np.float32)
+    )
     assert calls == ["nk"]
 
 
@@ -379,7 +381,7 @@ def test_quant_matmul_prefill_on_gpu(method):
 
 def test_fake_quantized_fp8_activations_are_rounded_inside_jit():
     """model.quant.fake_quantize_activations under jit gives the e4m3 values (numpy's rounding of x / scale, times
-    the scale), not x: XLA on the H200 elided a convert f32 -> e4m3 -> f32 inside one jit (session 9), which made the
+    the scale), not x: XLA on the H200 elided a convert f32 -> e4m3 -> f32 inside one jit (2026-12-03), which made the
     fake-quantised path and quant.reference_matmul unquantised there; the codes now pass a barrier. Runs on every
     backend (the GPU is where it once failed)."""
     from model import quant  # noqa: PLC0415

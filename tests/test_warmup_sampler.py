@@ -1,8 +1,8 @@
 """LLMEngine.warmup compiles the sampler exactly as serving calls it: no sampler compile after the first request.
 
-The sampler's jit keys on the placement of its logits (a step's rows come out of `_take_rows`) and on whether
+The sampler's jit keys on the placement of its logits (a step's rows come out of `take_rows`) and on whether
 num_logprobs is passed; a warm-up that called it otherwise left every row bucket to compile on first use, in the
-middle of serving (found on the H200 by benchmarks/perf17.py).
+middle of serving (found on the H200 by benchmarks/engine_latency.py).
 """
 
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from model.config import ModelConfig
 from model.transformer import random_model
 from serving.config import EngineConfig
 from serving.core.request import SamplingParams
-from serving.engine import runner
+from serving.engine import sampler
 from serving.engine.engine import LLMEngine
 
 
@@ -23,9 +23,9 @@ def test_no_sampler_compile_after_warmup():
     )
     engine = LLMEngine(random_model(cfg, jnp.float32), NullTokenizer(), config)
     engine.warmup()
-    compiled = runner.sample_rows._cache_size()
+    compiled = sampler.sample_rows._cache_size()
     for i in range(3):  # rows of every count up to 3: buckets 1, 2 and 4 (greedy and random share one executable)
         engine.add_request(list(range(5, 15 + i)), SamplingParams(max_tokens=4, temperature=0.7 * (i % 2), seed=i))
     while engine.has_unfinished():
         engine.step()
-    assert runner.sample_rows._cache_size() == compiled
+    assert sampler.sample_rows._cache_size() == compiled

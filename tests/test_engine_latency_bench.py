@@ -1,4 +1,4 @@
-"""benchmarks/perf17.py (issue 17's profile, TTFT, long-context and ITL-under-load figures): the per-step trace
+"""benchmarks/engine_latency.py (the engine's profile, TTFT, long-context and ITL-under-load figures): the per-step trace
 summary on a synthetic GPU trace, the ITL statistics on synthetic deliveries, and every mode end to end on the
 tiny preset (CPU), each writing well-formed JSON lines."""
 
@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from benchmarks import perf17
+from benchmarks import engine_latency
 from benchmarks.engine_core import device_spans, device_timeline
 from serving.core.request import SamplingParams
 
@@ -71,14 +71,14 @@ def test_category_names():
         "input_reduce_fusion_7": "elementwise",
         "some_unknown_kernel": "other",
     }
-    assert {n: perf17.category(n) for n in cases} == cases
+    assert {n: engine_latency.category(n) for n in cases} == cases
 
 
 def test_step_profile_on_a_synthetic_gpu_trace(tmp_path):
     end = _gpu_trace(tmp_path, layers=2, steps=3)
     path, spans = device_spans(str(tmp_path))
     assert all(n != "jit_loop" for _, _, n in spans)  # the derived line is not a kernel
-    p = perf17.step_profile(path, spans, num_layers=2, engine_steps=99)
+    p = engine_latency.step_profile(path, spans, num_layers=2, engine_steps=99)
     assert p["steps"] == 3 and p["steps_from"] == "trace"  # 6 paged launches / 2 layers, not the engine's 99
     ms = p["per_step_ms"]
     assert ms["matmul"] == pytest.approx(0.020)  # 2 layers x 10 us
@@ -101,22 +101,22 @@ def test_engine_core_timeline_skips_derived_lines(tmp_path):
 def test_steps_fall_back_to_the_engine_count(tmp_path):
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
     _write(tmp_path, meta + [{"ph": "X", "pid": 1, "tid": 1, "ts": 0.0, "dur": 8.0, "name": "fusion"}])
-    p = perf17.step_profile(*device_spans(str(tmp_path)), num_layers=32, engine_steps=4)
+    p = engine_latency.step_profile(*device_spans(str(tmp_path)), num_layers=32, engine_steps=4)
     assert p["steps_from"] == "engine" and p["per_step_ms"]["elementwise"] == pytest.approx(0.002)
 
 
 def test_itl_stats_count_each_token_of_a_delivery():
     # Request a: first token at 1.0, then 4 tokens 0.4 s later, then 1 token 0.1 s later. b arrives outside.
     recs = {"a": (0.5, [(1.0, 1), (1.4, 4), (1.5, 1)]), "b": (9.0, [(9.5, 1), (9.6, 1)])}
-    s = perf17._itl_stats(recs, 0.0, 5.0)
+    s = engine_latency._itl_stats(recs, 0.0, 5.0)
     assert s["requests"] == 1 and s["deliveries"] == 2 and s["tokens_per_delivery"] == 2.5
     assert s["ttft_p50_ms"] == pytest.approx(500.0)
     assert s["itl_delivery_p50_ms"] == pytest.approx(250.0)  # gaps 400 and 100 ms
     assert s["itl_token_p50_ms"] == pytest.approx(100.0)  # per token: 100, 100, 100, 100 (the 4) and 100
-    early = perf17._itl_stats(recs, 0.0, 1.45)  # the window is by delivery time: the 1.5 s delivery is after it
+    early = engine_latency._itl_stats(recs, 0.0, 1.45)  # the window is by delivery time: the 1.5 s delivery is after it
     assert early["deliveries"] == 1 and early["itl_token_p50_ms"] == pytest.approx(100.0)
     recs["a"] = (0.5, [(1.0, 1), (1.4, 1), (1.5, 3)])  # 400 ms for one token, then 3 tokens in 100 ms
-    s = perf17._itl_stats(recs, 0.0, 5.0)
+    s = engine_latency._itl_stats(recs, 0.0, 5.0)
     assert s["itl_token_p50_ms"] == pytest.approx(100.0 / 3)  # three of the four tokens came 33 ms apart
 
 
@@ -149,12 +149,12 @@ class _FakeEngine:
 def test_drive_adds_requests_at_their_arrival_and_records_each_delivery():
     engine = _FakeEngine(tokens=3)
     params = SamplingParams(max_tokens=3)
-    recs, wall, cut, _ = perf17._drive(engine, [(0.0, [1]), (0.05, [2]), (0.1, [3])], params, limit=5.0)
+    recs, wall, cut, _ = engine_latency._drive(engine, [(0.0, [1]), (0.05, [2]), (0.1, [3])], params, limit=5.0)
     assert not cut and wall >= 0.1
     assert sorted(at for at, _ in recs.values()) == [0.0, 0.05, 0.1]
     for at, d in recs.values():
         assert [n for _, n in d] == [1, 1, 1] and d[0][0] >= at  # no token before its request arrived
-    recs, _, cut, _ = perf17._drive(_FakeEngine(tokens=10**6), [(0.0, [1])], params, limit=0.05)
+    recs, _, cut, _ = engine_latency._drive(_FakeEngine(tokens=10**6), [(0.0, [1])], params, limit=0.05)
     assert cut  # bounded: a request that never ends is cut at the limit (and aborted)
 
 
@@ -166,15 +166,17 @@ def test_bad_options_name_the_flag(capsys):
         (["--what", "profile", "--preset", "tiny", "--batches", "1,64"], "--batches"),
     ):
         with pytest.raises(SystemExit):
-            perf17._args(argv)
+            engine_latency._args(argv)
         assert flag in capsys.readouterr().err
 
 
 def test_every_mode_runs_on_tiny_and_writes_json(tmp_path):
-    out = tmp_path / "perf17.jsonl"
+    out = tmp_path / "engine_latency.jsonl"
     argv = ["--what", "profile,ttft,long,itl_load", "--preset", "tiny", "--dtype", "float32", "--out", str(out)]
     argv += ["--peak", "200"]  # a fixed light load: 0.8x a CPU burst's rate would bury this host in arrivals
-    perf17.main(argv + ["--trace_dir", str(tmp_path / "trace"), "--long_backends", "pallas,xla_contiguous,xla_paged"])
+    engine_latency.main(
+        argv + ["--trace_dir", str(tmp_path / "trace"), "--long_backends", "pallas,xla_contiguous,xla_paged"]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     errors = [r for r in rows if "error" in r]
     assert not errors, errors
@@ -205,8 +207,8 @@ def test_every_mode_runs_on_tiny_and_writes_json(tmp_path):
 
 def test_untraced_profile_without_chained_loops(tmp_path):
     """--no_trace times the same loops without the profiler; --async_scheduling off chains none of them."""
-    out = tmp_path / "perf17.jsonl"
-    perf17.main(["--what", "profile", "--preset", "tiny", "--dtype", "float32", "--no_trace", "--async_scheduling",
+    out = tmp_path / "engine_latency.jsonl"
+    engine_latency.main(["--what", "profile", "--preset", "tiny", "--dtype", "float32", "--no_trace", "--async_scheduling",
                  "off", "--batches", "4", "--trace_dir", str(tmp_path / "trace"), "--out", str(out)])  # fmt: skip
     (row,) = [r for r in map(json.loads, out.read_text().splitlines()) if r["what"] == "profile"]
     assert not row["traced"] and row["async_scheduling"] == "off" and row["chained_loops"] == 0

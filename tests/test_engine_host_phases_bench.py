@@ -1,0 +1,21 @@
+"""benchmarks/engine_host_phases.py end to end on the tiny preset (CPU): one row per (batch, mode), every phase
+timed where its path runs, and the same greedy tokens counted in each mode's window."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import engine_host_phases
+
+
+def test_rows_per_batch_and_mode(tmp_path):
+    out = tmp_path / "phases.jsonl"
+    argv = ["--preset", "tiny", "--dtype", "float32", "--batches", "2", "--modes", "sync1,async1"]
+    engine_host_phases.main(argv + ["--input_len", "8", "--output_len", "8", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["batch"], r["mode"]) for r in rows] == [(2, "sync1"), (2, "async1")]
+    sync, chained = (r["phases_ms"] for r in rows)
+    assert set(sync) == set(engine_host_phases.PHASES)
+    assert sync["forward"] > 0 and sync["sample"] > 0 and sync["launch"] == sync["wait"] == 0  # host-sampled steps
+    assert chained["launch"] > 0 and chained["forward"] == chained["sample"] == 0  # one-step loops, chained
+    assert all(r["steps"] > 0 and r["tokens"] == 2 * r["steps"] and r["host_ms"] > 0 for r in rows)
