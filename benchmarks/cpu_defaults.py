@@ -1,4 +1,4 @@
-"""What a new user meets with the defaults on a CPU host (issue 11 item 7): footprint, pool size, and one prompt
+"""What a new user meets with the defaults on a CPU host: footprint, pool size, and one prompt
 decoding alone against three together.
 
     PYTHONPATH=. python benchmarks/cpu_defaults.py --out bench_out/cpu_defaults.json

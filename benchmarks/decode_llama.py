@@ -1,7 +1,7 @@
 """Decode throughput of the engine's runner at real shapes with random weights (GPU).
 
     PYTHONPATH=. python benchmarks/decode_llama.py --preset llama3_8b --batches 1,64 --ctx 1024 --steps 32
-    ... --formats bf16,int8,fp8,int4_rtn --kv_cache_dtypes auto,int8    (the per-format table of issue 13)
+    ... --formats bf16,int8,fp8,int4_rtn --kv_cache_dtypes auto,int8    (the per-format table)
 
 For each (weight format, KV dtype) and batch size: a ModelRunner over a paged KV pool, every row at context `ctx`
 (pages assigned, contents random), timed `decode_loop` calls of `steps` on-device decode steps (model + sampling), reported as tokens/s,
@@ -15,6 +15,7 @@ methods applied to the random bf16 model (calibrated ones on its built-in text).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.shapes import model_config
 from model import kv as kv_module
 from model import quant
 from model.config import ModelConfig
@@ -64,16 +66,18 @@ def bench(
     concurrency_context: int = 8192,
     stream_layout: bool = False,
     trace_dir: str = "",
+    path: str = "default",
 ) -> dict:
     from serving.engine.quantize import kv_cache_dtype as kv_dtype_of
     from serving.engine.quantize import quantize_model
     from serving.engine.runner import kv_bytes_per_block, size_kv_pool
 
-    cfg = ModelConfig.preset(preset)
+    cfg = model_config(preset)
     t0 = time.perf_counter()
     model = random_model(cfg, jnp.bfloat16)
     if fmt != "bf16":
         quantize_model(model, fmt)
+    quant.set_options(model, set_path(model, path))
     weight_bytes = stored_bytes(model)  # one copy: the stream layout's second copy is not read twice a step
     if stream_layout:  # the Mosaic GPU streaming kernel's weight copy (the engine's quantized_stream_layout)
         from serving.engine.quantize import add_stream_layout
@@ -86,7 +90,8 @@ def bench(
     pool_blocks = size_kv_pool(model, block_size, kv_dtype, 0.9, 1 << 30)
     concurrency = pool_blocks // blocks_8k
     print(
-        f"{preset} {fmt} kv={kv_cache_dtype} gemv_max_rows={quant.GEMV_MAX_ROWS} fused_rope={kv_module.FUSE_ROPE_KV_WRITE}: weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
+        f"{preset} {fmt} kv={kv_cache_dtype} path={path}: "
+        f"weights {weight_bytes / 2**30:.2f} GiB, {pool_blocks} KV blocks "
         f"({kv_bytes_per_block(model, block_size, kv_dtype) / 2**20:.2f} MiB each) = {concurrency} sequences of "
         f"{concurrency_context} tokens; init+quantise {init_s:.1f}s",
         flush=True,
@@ -167,7 +172,7 @@ def bench(
         } | ({"profile": profile} if profile else {})
         results["rows"].append(row)
         print(
-            f"{preset} {fmt} kv={kv_cache_dtype} B={b:3d} ctx={ctx}: loop {row['ms_per_step_loop']:.2f} ms/step "
+            f"{preset} {fmt} {path} kv={kv_cache_dtype} B={b:3d} ctx={ctx}: loop {row['ms_per_step_loop']:.2f} ms/step "
             f"{row['tokens_per_s_loop']:.0f} tok/s ({row['weight_TBps_loop']:.2f} TB/s all weights, "
             f"{row['read_TBps_loop']:.2f} TB/s of the {read / 1e9:.1f} GB a step reads); "
             f"single-step {row['ms_per_step_single']:.2f} ms ({row['tokens_per_s_single']:.0f} tok/s); "
@@ -177,11 +182,39 @@ def bench(
     return results
 
 
+# --paths: the quantised weights' matmul paths (model.quant.MatmulOptions, carried by each weight). Plain bf16 weights
+# always take DEFAULT_OPTIONS (the one-row GEMV, XLA's dot above).
+PATHS = {
+    "default": quant.DEFAULT_OPTIONS,  # one layout per weight (quant.decode_layout) and the measured crossovers
+    "legacy": quant.LEGACY_OPTIONS,  # 8-bit weights [K, N]: Triton kernel to 16 / 64 rows, XLA dequantise above
+    "no_gemv": dataclasses.replace(quant.DEFAULT_OPTIONS, gemv_max_rows=()),  # default, one-row calls included
+    # default, with [N, K] int8 / fp8 one-row calls on the K-contiguous GEMV (pallas_kernels/gemv_nk.py)
+    "gemv_nk": dataclasses.replace(
+        quant.DEFAULT_OPTIONS, gemv_max_rows=quant.DEFAULT_OPTIONS.gemv_max_rows + (("int8_nk", 1), ("fp8_nk", 1))
+    ),
+}
+
+
+def set_path(model, path: str):
+    """The MatmulOptions of `path`; "legacy" also moves [N, K] weight-only 8-bit weights back to [K, N]."""
+    if path == "legacy":
+        from flax import nnx
+
+        def kn(w):
+            if isinstance(w, quant.QuantizedArray) and not w.act_fmt and w.stream is None:
+                return quant.to_layout(w, "kn")
+            return w
+
+        state = nnx.state(model)
+        nnx.update(model, jax.tree.map(kn, state, is_leaf=lambda w: isinstance(w, quant.QuantizedArray)))
+    return PATHS[path]
+
+
 def trace_loop(runner, rows, steps, st, banned, cfg, trace_dir: str) -> dict:
-    """One more decode_loop call under the JAX profiler: ms per step per kernel category (perf17's step_profile:
+    """One more decode_loop call under the JAX profiler: ms per step per kernel category (engine_latency's step_profile:
     attention, matmul incl. our GEMV, elementwise fusions, copies, host gap) and the top kernels, printed."""
     from benchmarks.engine_core import device_spans
-    from benchmarks.perf17 import step_profile
+    from benchmarks.engine_latency import step_profile
 
     jax.profiler.start_trace(trace_dir)
     jax.block_until_ready(runner.decode_loop(rows, steps, st, banned))
@@ -205,7 +238,7 @@ def nnx_state(model):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="llama3_8b")
+    p.add_argument("--preset", default="llama3_8b", help="a shape of benchmarks/shapes.py (random weights)")
     p.add_argument("--formats", default="bf16", help="comma list: bf16 and serving/engine/quantize.py's methods")
     p.add_argument("--kv_cache_dtypes", default="auto", help="comma list of auto, int8, fp8")
     p.add_argument("--concurrency_context", type=int, default=8192)
@@ -215,20 +248,15 @@ def main():
         help="quantised weights also in the Mosaic GPU streaming kernel's layout",
     )
     p.add_argument(
-        "--gemv",
-        default="on",
-        help="comma list of on / off: one-row projections through pallas_kernels/gemv.py (model.quant.GEMV_MAX_ROWS) "
-        "or the paths before it, each a run of its own in this process",
+        "--paths",
+        default="default",
+        help=f"comma list of {', '.join(PATHS)}: the quantised weights' matmul paths (model.quant.MatmulOptions), "
+        "each a run of its own in this process",
     )
     p.add_argument(
         "--gemv_configs",
         default="",
         help="a benchmarks/gemv.py --sweep JSON: its best config per format replaces model.quant.GEMV_CONFIGS",
-    )
-    p.add_argument(
-        "--fused_rope",
-        default="on",
-        help="comma list of on / off: RoPE + KV write as one kernel (model.kv.FUSE_ROPE_KV_WRITE) or as XLA ops",
     )
     p.add_argument("--batches", default="1,64")
     p.add_argument("--ctx", type=int, default=1024)
@@ -252,24 +280,23 @@ def main():
         kv_module.PagedMeta._attend = lambda self, q, *pages, **kw: q
     batches = [int(x) for x in a.batches.split(",") if x]
     runs = []
-    gemv_default = dict(quant.GEMV_MAX_ROWS)
     if a.gemv_configs:
         with open(a.gemv_configs) as f:
             quant.GEMV_CONFIGS.update(json.load(f)["best"])
         print(f"GEMV configs: {quant.GEMV_CONFIGS}", flush=True)
-    for flag, value in (("--gemv", a.gemv), ("--fused_rope", a.fused_rope)):
-        if set(value.split(",")) - {"on", "off"}:
-            raise SystemExit(f"{flag} takes a comma list of on / off, got {value!r}")
-    grid = itertools.product(
-        a.formats.split(","), a.kv_cache_dtypes.split(","), a.gemv.split(","), a.fused_rope.split(",")
-    )
-    for fmt, kv, gemv, fused in grid:
-        quant.GEMV_MAX_ROWS = gemv_default if gemv == "on" else {}
-        kv_module.FUSE_ROPE_KV_WRITE = fused == "on"
+    if unknown := set(a.paths.split(",")) - set(PATHS):
+        raise SystemExit(f"--paths: unknown {sorted(unknown)}; choose from {', '.join(PATHS)}")
+    for fmt, kv, path in itertools.product(a.formats.split(","), a.kv_cache_dtypes.split(","), a.paths.split(",")):
+        if fmt == "bf16" and path != a.paths.split(",")[0]:
+            continue  # bf16 weights take the same paths under every option
         args = (a.preset, batches, a.ctx, a.steps, a.block_size, a.backend, a.repeats)
         kw = dict(fmt=fmt, kv_cache_dtype=kv, concurrency_context=a.concurrency_context, stream_layout=a.stream_layout)
-        kw["trace_dir"] = a.trace_dir and f"{a.trace_dir}/{fmt}_{kv}_gemv_{gemv}_rope_{fused}"
-        runs.append(bench(*args, **kw) | {"gemv": gemv, "fused_rope": fused})
+        kw["trace_dir"] = a.trace_dir and f"{a.trace_dir}/{fmt}_{kv}_{path}"
+        try:
+            runs.append(bench(*args, **kw, path=path) | {"path": path})
+        except Exception as e:  # noqa: BLE001 (recorded and printed: the other formats and paths still run)
+            print(f"{a.preset} {fmt} {path} kv={kv}: Error {type(e).__name__}: {str(e)[:400]}", flush=True)
+            runs.append({"format": fmt, "path": path, "kv_cache_dtype": kv, "error": f"{type(e).__name__}: {e}"[:2000]})
         with open(a.out, "w") as f:  # rewritten after each run: a run cut short keeps what it finished
             json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=2)
 

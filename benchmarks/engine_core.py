@@ -1,4 +1,4 @@
-"""Engine-core figures (issue 11): start-up cold and warm, GPU idle between steps, and stream smoothness.
+"""Engine-core figures: start-up cold and warm, GPU idle between steps, and stream smoothness.
 
     PYTHONPATH=. python benchmarks/engine_core.py --what startup --cache_dir /tmp/xla_cache   # run twice: cold, warm
     PYTHONPATH=. python benchmarks/engine_core.py --what idle       # batch-64 decode, async scheduling off / on

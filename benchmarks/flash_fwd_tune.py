@@ -1,4 +1,4 @@
-"""Forward tuning, round 3: our Mosaic GPU forward variants vs cuDNN and JAX's attention_mgpu, one run.
+"""Forward tuning: our Mosaic GPU forward variants vs cuDNN and JAX's attention_mgpu, one run.
 
 Every variant is first checked against the f32 reference on two heads of the benchmark inputs (finite, relative
 L2 error < 1e-2); only the ones that pass are timed. TFLOP/s = 4*B*H*S^2*D (halved when causal) over the median
@@ -27,10 +27,10 @@ from pallas_kernels.flash_attention_common import BlockSizes, KernelStatic
 # name -> MgpuConfig; flags spelled out (the 2026-12-01 run was made while split_refill defaulted to True).
 _SPLIT = dict(split_refill=True)
 VARIANTS = {
-    "q64k128s2": mgpu.MgpuConfig(**_SPLIT),  # round-2 tiles, K refilled apart from V
-    "q64k128s2_joint_refill": mgpu.MgpuConfig(split_refill=False),  # the round-2 kernel (causal default)
+    "q64k128s2": mgpu.MgpuConfig(**_SPLIT),  # the earlier default tiles, K refilled apart from V
+    "q64k128s2_joint_refill": mgpu.MgpuConfig(split_refill=False),  # the earlier kernel (causal default)
     "q64k128s2_r240": mgpu.MgpuConfig(compute_registers=240, **_SPLIT),
-    "q64k128s2_pipe": mgpu.MgpuConfig(pipelined=True, **_SPLIT),  # non-causal D=128 default since round 3
+    "q64k128s2_pipe": mgpu.MgpuConfig(pipelined=True, **_SPLIT),  # non-causal D=128 default since tuning run 3
     "q64k128s2_pipe_r240": mgpu.MgpuConfig(pipelined=True, compute_registers=240, **_SPLIT),
     "q128k64s3_r240": mgpu.MgpuConfig(
         block_q=128, block_kv=64, max_concurrent_steps=3, compute_registers=240, **_SPLIT

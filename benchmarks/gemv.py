@@ -32,7 +32,7 @@ SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 14336
 FORMATS = dict(qb.FORMATS, int8_g32=("int8", 32, False, False))  # + GGUF Q8_0's grouped int8
 C = G.GemvConfig
 CANDIDATES = (  # (block_n, block_k, steps, num_warps, depth / atomic); a grouped format's tile stays inside one group
-    # session 14's H100 sweep: the loops (depth > 0) lost to the unrolled programs in every format, so two stay;
+    # the H100 sweep of 2026-12-06: the loops (depth > 0) lost to the unrolled programs in every format, so two stay;
     # the K chunks' partials now also meet by atomic adds (no XLA sum after the call), which favours fewer, longer
     # programs as well
     C(128, 64, 4, 4),

@@ -1,4 +1,4 @@
-# Sourced first by the session device scripts (benchmarks/run_session1[34]_gpu.sh): pipefail, the carried model parts
+# Sourced first by benchmarks/gpu.sh: pipefail, the carried model parts
 # and the gguf wheel (benchmarks/gpu_model_setup.sh), unbuffered output, $OUT, then the card's name and clocks.
 set -o pipefail
 source benchmarks/gpu_model_setup.sh

@@ -1,4 +1,4 @@
-# Sourced by the device-machine scripts (benchmarks/run_*_gpu.sh) before they run: puts the carried halves of the
+# Sourced by benchmarks/gpu.sh (through gpu_call_prelude.sh) before it runs anything: puts the carried halves of the
 # default model and the `gguf` wheel (.gpu_carry/*) in /tmp/gpuc, installs the wheel if the image lacks `gguf`, and
 # once every xz-compressed part is there (xa, xb, xc) assembles the model into the cache at $M and checks its sha256
 # (earlier calls on the same warm machine park the other parts in /tmp/gpuc: the model is over what one call may carry).

@@ -45,7 +45,7 @@ DECODE_CONFIGS = {
         for bt, s, w, st in [(64, 8, 4, 4), (64, 32, 4, 4), (32, 16, 4, 4)]
     ],
 }
-# Round 3's runners-up, then two untimed candidates from the Nsight Compute profile of the default (255 registers
+# Run 3's runners-up (paged_notes.md), then two untimed candidates from the Nsight Compute profile of the default (255 registers
 # per thread and 98 KB SMEM per 4-warp program -> 2 programs per SM; ncu_ragged_mixed_2026-12-01.txt): 8 warps on
 # 128-row tiles (half the registers per thread) and 64-row tiles (less SMEM per program).
 RAGGED_CONFIGS = [rpa.RaggedConfig()] + [

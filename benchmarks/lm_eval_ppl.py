@@ -1,4 +1,4 @@
-"""Perplexity through the server by lm-eval vs the offline figure of the same text (issue 13, quality).
+"""Perplexity through the server by lm-eval vs the offline figure of the same text.
 
     PYTHONPATH=. python benchmarks/lm_eval_ppl.py --out benchmarks/results/lm_eval_ppl.json [--server_args ...]
 

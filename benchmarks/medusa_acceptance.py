@@ -5,7 +5,7 @@
 
 Greedy generation with plain decoding on the Lab 02 prompts (benchmarks/spec_acceptance.py: held-out stdlib code
 heapq / textwrap / shlex, licence prose, copy-heavy chat turns), then a replay of speculative greedy decoding over
-the generated sequence, as `serving.engine.proposers.replay_greedy` does for the n-gram proposer: under greedy
+the generated sequence, as `serving.spec.proposers.replay_greedy` does for the n-gram proposer: under greedy
 decoding the output is the target's argmax chain whatever the drafts, so a draft's accepted prefix is its longest
 prefix equal to the tokens generated next. For the heads, a pass that has emitted up to position e drafts
 argmax head_i(h_{e-1}) for i < k, h_{e-1} being the target's hidden state whose logits chose token e (the state
@@ -29,7 +29,7 @@ from benchmarks.spec_acceptance import build_prompts
 from model.kv import NoCache
 from model.medusa import head_logits, load_heads
 from serving.engine.llm import LLM
-from serving.engine.proposers import NgramProposer, replay_greedy
+from serving.spec.proposers import NgramProposer, replay_greedy
 
 
 def head_drafts(llm: LLM, heads, seq: list[int]) -> np.ndarray:

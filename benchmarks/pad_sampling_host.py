@@ -1,5 +1,5 @@
 """Host cost of padding a step's sampling tensors to its row bucket (model/sampling.py pad_sampling), beside the
-np.pad rule it replaced (session 16): microseconds a call, median of --reps timeit batches.
+np.pad rule it replaced: microseconds a call, median of --reps timeit batches.
 
     PYTHONPATH=. python benchmarks/pad_sampling_host.py
 """

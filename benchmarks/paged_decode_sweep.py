@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/paged_decode_sweep.py --out $OUT/paged_decode_sweep.json [--budget_s 200]
 
-Why: in the W8A8 fp8 1,000 x 1,000 run (BENCHMARKS.md, session 16) attention is the largest kernel of a batch-256
+Why: in the W8A8 fp8 1,000 x 1,000 run (BENCHMARKS.md, Throughput) attention is the largest kernel of a batch-256
 decode step, and int8 pages were read at ~2.0 TB/s against bf16 pages' ~3.0 in the same engine: one-byte pages
 move half the bytes per tile, so the default tile (64 tokens, 4 warps, 4 stages; tuned on bf16) may keep too few
 bytes in flight. For each (batch, context) of --shapes and each page dtype, every config of CONFIGS is checked

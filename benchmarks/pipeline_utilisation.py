@@ -7,8 +7,8 @@ devices; its per-stage busy counters are read back and
 
 is set beside the GPipe formula. The wall time per step is reported too, beside the unsplit layers' time on one
 device and the ideal GPipe time (unsplit x (m + p - 1) / (m p)): on CPU "devices" that share a few host cores it
-shows the cost of the schedule, not the overlap a real multi-accelerator pipeline gets (benchmarks/
-run_pipeline_gpu.sh measures that on GPUs). `max_abs_diff` compares the pipelined output with the unsplit layers'
+shows the cost of the schedule, not the overlap a real multi-accelerator pipeline gets (`bash benchmarks/gpu.sh
+parallel` measures that on GPUs). `max_abs_diff` compares the pipelined output with the unsplit layers'
 (--stages 1 on one GPU: the device kernels on the microbatch split, a correctness run).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. .venv/bin/python \

@@ -1,11 +1,11 @@
-"""Issue 12's figures as one PNG: the seed's trade under load (p50 latency and throughput per request rate for off,
+"""Speculative decoding's figures as one PNG: the trade under load (p50 latency and throughput per request rate for off,
 always-on and adaptive, from benchmarks/spec_load.py JSONs) and batch-1 speedups per proposer and domain (from
 benchmarks/spec_engine.py JSONs).
 
     PYTHONPATH=. python benchmarks/plot_spec.py \
-        --load benchmarks/results/spec_load_h200_session12_low.json,benchmarks/results/spec_load_h200_session12_saturation.json \
-        --batch1 benchmarks/results/spec_engine_h200_session12_draft_device.json \
-        --out benchmarks/results/spec_h200_session12.png
+        --load benchmarks/results/spec_load_h200_smollm2_low.json,benchmarks/results/spec_load_h200_smollm2_saturation.json \
+        --batch1 benchmarks/results/spec_engine_h200_smollm2_draft_device.json \
+        --out benchmarks/results/spec_h200_smollm2.png
 """
 
 from __future__ import annotations

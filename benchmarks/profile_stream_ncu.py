@@ -3,8 +3,8 @@
     bash benchmarks/profile_stream_ncu.sh           (on the GPU machine: profiles, then prints the summary)
 
 GEMV mode (`--gemv --fmt bf16 | int8 | fp8 | int4_g128 | int4_g32_asym | int8_g32 [--config depth=2]`): the same
-weight shape through pallas_kernels/gemv.py at M = 1 with model.quant's tuned config (benchmarks/run_session14_gpu.sh
-ncu runs it under `ncu -k regex:gemv`).
+weight shape through pallas_kernels/gemv.py at M = 1 with model.quant's tuned config (`bash benchmarks/gpu.sh
+kernels ncu` runs it under `ncu -k regex:gemv`).
 
 Launch mode (`--fmt int8 | fp8 | bf16 [--config upcast_load=True,overlap=True]`): one weight [4096, 14336] of that
 format (pallas_kernels/stream_matmul_mgpu.py's layout), x [1, 4096] bf16; the call is compiled and run once, then

@@ -1,6 +1,14 @@
 """Quality of the weight quantisation methods on real text (CPU): perplexity per domain, KL and top-1 agreement.
 
-    PYTHONPATH=. python3 benchmarks/quant_quality.py --out benchmarks/results/quant_quality.json
+    PYTHONPATH=. python3 benchmarks/quant_quality.py --path api --out benchmarks/results/quant_quality_api.json
+    PYTHONPATH=. python3 benchmarks/quant_quality.py --out benchmarks/results/quant_quality.json   # --path research
+
+--path api measures what a user gets: each method is `LLM(quantization=...)` (kv_* rows `LLM(kv_cache_dtype=...)`)
+with its defaults, so the calibrated methods calibrate on the default text of model/calibration/; perplexity is
+read through the public API (`LLM.score` logits for weight formats, `LLM.logprobs` through the paged engine for KV
+formats) on the held-out "eval" files below, which no calibration text shares.
+
+--path research (the default, below) quantises the parameters here with its own calibration split:
 
 Model: the default checkpoint (checkpoints.loader.load_checkpoint(), SmolLM2) in float32; its float weights are the
 baseline ("unquantised"). Text not written here: prose = licence texts in /usr/share/common-licenses, code = Python
@@ -165,7 +173,7 @@ SEQUENTIAL_SUFFIX = "_seq"
 def sequential_params(config, params, calib_bt, method):
     """quantised_params with layer i's calibration inputs recorded from the model whose layers < i are already
     quantised (its four projections see the same quantised prefix); each recording runs the first i + 1 layers."""
-    from serving.engine.draft_model import truncated_model
+    from serving.spec.draft_model import truncated_model
 
     out = dict(params)
     for i in range(config.num_layers):
@@ -212,12 +220,17 @@ def main(argv=None):
     parser.add_argument("--calib_seqs", type=int, default=2)
     parser.add_argument(
         "--methods",
-        default=",".join([*DEFAULT_METHODS, *KV_METHODS]),
+        default=None,
         help=", ".join(METHODS) + f" (each also as <method>{SEQUENTIAL_SUFFIX})",
     )
+    parser.add_argument("--path", default="research", choices=("research", "api"))
     parser.add_argument("--group_size", type=int, default=64)
     parser.add_argument("--zero_point", default="float", choices=qm.ZERO_POINTS)
     args = parser.parse_args(argv)
+    args.methods_given = args.methods is not None
+    args.methods = args.methods or ",".join([*DEFAULT_METHODS, *KV_METHODS])
+    if args.path == "api":
+        return api_main(args)
     GROUP.update(group_size=args.group_size, zero_point=args.zero_point)
     t0 = time.time()
     ckpt = load_checkpoint()
@@ -266,6 +279,57 @@ def main(argv=None):
         dump(args.out, result)
     result["elapsed_s"] = time.time() - t0
     dump(args.out, result)
+
+
+API_METHODS = ("int8", "fp8", "w8a8_fp8", "w8a8_fp8_rtn", "int4_rtn", "int4_awq", "int4_gptq", "kv_int8", "kv_fp8")
+
+
+def api_perplexity(llm, eval_bt, kv: bool) -> float:
+    """exp(mean next-token NLL) over the sequences: `score` logits (weights) or paged `logprobs` (KV formats)."""
+    nll = []
+    for row in eval_bt.tolist():
+        if kv:
+            nll += [-x for x in llm.logprobs([row[:1]], [row[1:]])[0].token_logprobs]
+        else:
+            logp = jax.nn.log_softmax(jnp.asarray(llm.score(row)[:-1]), axis=-1)
+            nll += (-np.asarray(jnp.take_along_axis(logp, jnp.asarray(row[1:])[:, None], axis=-1))[:, 0]).tolist()
+    return float(np.exp(np.mean(nll)))
+
+
+def api_main(args) -> int:
+    """Every method through `LLM(...)` with its defaults on the held-out text (see the module docstring)."""
+    from serving.engine.llm import LLM
+
+    t0 = time.time()
+    tokenizer = load_checkpoint().tokenizer
+    evals = {d: sequences(tokenizer, d, "eval", args.seq_len, args.eval_seqs) for d in SPLITS}
+    engine = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=args.seq_len, max_model_len=args.seq_len)
+    engine |= dict(num_kv_blocks=2 * args.seq_len // 16 + 2)
+    result = dict(model=MODEL_NAME, path="api", seq_len=args.seq_len, eval_seqs=args.eval_seqs, rows=[])
+    result["eval_files"] = {d: SPLITS[d]["eval"] for d in SPLITS}
+    methods = [m for m in args.methods.split(",") if m] if args.methods_given else list(API_METHODS)
+    base = {}
+    for method in ["float", *methods]:
+        start = time.time()
+        kv = method.startswith("kv_")
+        options = dict(kv_cache_dtype=method[3:]) if kv else ({} if method == "float" else dict(quantization=method))
+        llm = LLM(**engine, **options)
+        load_s = time.time() - start
+        for domain, eval_bt in evals.items():
+            ppl = api_perplexity(llm, eval_bt, kv)
+            if method == "float":
+                base[domain] = dict(score=ppl, engine=api_perplexity(llm, eval_bt, True))
+            ref = base[domain]["engine" if kv else "score"]
+            row = dict(method=method, domain=domain, ppl=ppl, ppl_delta_pct=100.0 * (ppl / ref - 1.0), load_s=load_s)
+            result["rows"].append(row)
+            print(
+                f"{method:14s} {domain:6s} ppl {ppl:.4f} ({row['ppl_delta_pct']:+.2f}%)  load {load_s:.0f}s", flush=True
+            )
+        del llm
+        dump(args.out, result)
+    result["elapsed_s"] = time.time() - t0
+    dump(args.out, result)
+    return 0
 
 
 def dump(path, result):

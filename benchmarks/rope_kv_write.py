@@ -5,7 +5,7 @@ Llama-3-8B's attention shape (32 query heads, 8 KV heads, hd 128) for decode and
 
 Each timed call is one jitted program of `--iters` applications that carries q and the pools (donated, as in a
 decode step: no copy of the pool), with positions moving each application; microseconds per application, median of
-5 calls. The loop is unrolled: session 15's rolled loop gave both paths a 12-25 us floor per application at
+5 calls. The loop is unrolled: a rolled loop gave both paths a 12-25 us floor per application at
 T <= 256 on an H100, where the traced decode step shows the kernel at 1.8-3.4 us a layer. "xla" is what the model
 runs without the kernel: the slices of q|k|v, RoPE on q and k and the scatters (model/kv.py write_pages /
 write_scales, with their barriers); int8 pages add the quantiser.

@@ -1,4 +1,4 @@
-"""The seed's Lab 02 for the n-gram proposer on SmolLM2: acceptance per domain, and the sweep of k against
+"""N-gram proposer acceptance on SmolLM2: acceptance per domain, and the sweep of k against
 (1 - a^(k+1)) / (1 - a). CPU; a few minutes.
 
     PYTHONPATH=. python benchmarks/spec_acceptance.py --max_tokens 128 \
@@ -8,7 +8,7 @@ Greedy generation with `LLM(...).generate(..., temperature=0)` on text not writt
 standard-library sources; prose: the licence texts under /usr/share/common-licenses; copy-heavy: chat prompts that
 ask to repeat or summarise a passage they contain). Under greedy decoding the speculative output is the target's
 argmax chain whatever the drafts, so replaying the proposer over the generated sequence
-(`serving.engine.proposers.replay_greedy`) gives exactly what speculative decoding would have accepted: a draft's
+(`serving.spec.proposers.replay_greedy`) gives exactly what speculative decoding would have accepted: a draft's
 accepted prefix is its longest prefix equal to the tokens generated next. Reported per domain and k = 1..7:
   * acceptance a = accepted / trials (per-token, trials end at the first rejection);
   * draft rate r = passes with >= 1 draft / passes (the n-gram proposer drafts only when a suffix matches);
@@ -31,8 +31,8 @@ import subprocess
 import sysconfig
 import time
 
-from serving.engine.proposers import NgramProposer, replay_greedy
-from serving.speculative import expected_tokens_per_pass
+from serving.spec.proposers import NgramProposer, replay_greedy
+from serving.spec.rule import expected_tokens_per_pass
 
 STDLIB = sysconfig.get_paths()["stdlib"]  # this interpreter's standard library (heapq.py etc. exist in every 3.x)
 LICENSES = "/usr/share/common-licenses"

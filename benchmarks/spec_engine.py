@@ -9,7 +9,7 @@ KV), `draft` (a separate draft model with its own paged KV: the target's first -
 --draft_model, a checkpoint path, e.g. SmolLM2 itself for the acceptance ceiling), `medusa` (trained heads on the
 target's last hidden state, --medusa_heads: a checkpoint dir from serving/train_heads.py; --k <= its heads). `ngram` is the
 host path (one host round trip per verify pass); `ngram_device` drafts, verifies and accepts inside the on-device
-decode loop (serving/engine/spec_loop.py, the engine's default), and `medusa_device`, `self_device` and
+decode loop (serving/spec/device_loop.py, the engine's default), and `medusa_device`, `self_device` and
 `draft_device` do the same with the heads and the draft models (each the engine's default for its method). Prompts are the Lab 02 ones
 (benchmarks/spec_acceptance.py: stdlib code, licence prose, copy-heavy chat turns). Requests run one at a time
 (batch 1); every method runs all its requests twice and the second pass is timed (the first compiles). Reported per method and domain:
@@ -34,12 +34,11 @@ import subprocess
 import time
 
 from benchmarks.spec_acceptance import build_prompts
-from serving.core.spec_policy import SpecPolicy
-from serving.engine.draft_model import ModelDraftProposer, make_model_proposer, runner_like, truncated_model
-from serving.engine.engine import _logprob_entry, _sampling_tensors
-from serving.engine.head_proposer import MedusaProposer
 from serving.engine.llm import LLM
-from serving.engine.speculate import SpecDecoder, policy_config
+from serving.spec.draft_model import ModelDraftProposer, make_model_proposer, runner_like, truncated_model
+from serving.spec.head_proposer import MedusaProposer
+from serving.spec.policy import SpecPolicy
+from serving.spec.verify import SpecDecoder, policy_config
 
 
 def _decoders(llm: LLM, args) -> dict:
@@ -50,7 +49,7 @@ def _decoders(llm: LLM, args) -> dict:
 
     def decoder(proposer):
         policy = SpecPolicy(policy_config(k, 0))
-        return SpecDecoder(engine, proposer, k, policy, _sampling_tensors, _logprob_entry)
+        return SpecDecoder(engine.scheduler, engine.runner, engine.sampler, engine.outputs, proposer, k, policy)
 
     methods = set(args.methods.split(","))
     out = dict(off=None, ngram=engine.spec, ngram_device=engine.spec)
@@ -180,8 +179,7 @@ def main():
         "--dtype",
         default=None,
         help="model dtype (default: bfloat16 on an accelerator or with --random_weights, else the engine's float32: "
-        "in f32 on the H200 a verify row's ragged-kernel tile made speculation 3x slower than off, BENCHMARKS.md "
-        "session 9)",
+        "in f32 on the H200 a verify row's ragged-kernel tile made speculation 3x slower than off, 2026-12-03)",
     )
     ap.add_argument("--max_num_seqs", type=int, default=4, help="rows per step (batch-1 runs need 1: fewer buckets)")
     ap.add_argument(

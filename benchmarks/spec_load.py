@@ -1,4 +1,4 @@
-"""The seed's speculative trade under load: off vs always-on vs adaptive at rising request rates (issue 12).
+"""Speculation's trade under load: off vs always-on vs adaptive at rising request rates.
 
     PYTHONPATH=. python benchmarks/spec_load.py --rates 0.5,2,8 --out benchmarks/results/spec_load_cpu.json
     PYTHONPATH=. python benchmarks/spec_load.py --preset llama3_8b --replay_acceptance 0.7 --rates 1,8,32,128 \\
@@ -8,8 +8,8 @@ The workload, engine construction and serving loop are benchmarks/worked_example
 --max_tokens greedy tokens, Poisson arrivals, a KV pool of what --memory_budget_gb leaves after the weights), with
 bf16 weights and KV. Per rate, three engines: `off`; `always` (n-gram speculation, or on random weights the replay
 proposer at --replay_acceptance, on every decode step); `adaptive` (the same, only while fewer than
---spec_batch_threshold sequences run; serving/core/spec_policy.py ramps k down towards the threshold). Reported:
-p50 / p95 latency, TTFT p50, throughput, peak running, acceptance. The goal in issue 12: adaptive keeps >= 90% of
+--spec_batch_threshold sequences run; serving/spec/policy.py ramps k down towards the threshold). Reported:
+p50 / p95 latency, TTFT p50, throughput, peak running, acceptance. The goal: adaptive keeps >= 90% of
 always-on's p50 latency gain at the lowest rate and loses < 3% throughput to `off` at the highest (saturation).
 """
 
@@ -54,7 +54,7 @@ def run(args) -> dict:
             step = _step(method, args.spec_batch_threshold)
             proposer = None
             if step.speculate and not real:
-                from serving.engine.proposers import ReplayProposer
+                from serving.spec.proposers import ReplayProposer
 
                 seqs = [p + o for p, o in zip(prompts, recorded)]
                 proposer = ReplayProposer(

@@ -37,7 +37,7 @@ def traced_serve(engine, prompts, times, max_tokens: int) -> tuple[dict, list]:
     step, log, t0 = engine.step, [], time.perf_counter()
 
     def traced_step():
-        path["p"] = "plain" if engine._inflight is None else "chained"
+        path["p"] = "chained" if engine.loop_in_flight else "plain"
         b, w, c, t = len(engine.scheduler.running), engine.scheduler.num_waiting, COMPILES.count, time.perf_counter()
         outs = step()
         log.append(

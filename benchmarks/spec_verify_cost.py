@@ -9,7 +9,7 @@ paged decode kernel for one token per row, the ragged kernel with logits at ever
 row at `--context` tokens of KV. Reported per batch B and k: median seconds of the one-token step and of the verify
 step, their ratio, and the batch-1 speedup speculation would give at acceptance a,
     speedup(a, k) = E(a, k) / ratio(k),  E(a, k) = (1 - a^(k+1)) / (1 - a),
-for each --acceptances (e.g. the rates measured on SmolLM2 by benchmarks/spec_engine.py). The seed's goal for the
+for each --acceptances (e.g. the rates measured on SmolLM2 by benchmarks/spec_engine.py). The goal for the
 8B verify pass: k+1 = 5 tokens at <= 1.15x a single-token step. The proposer's own cost is not included.
 """
 
@@ -26,7 +26,7 @@ from benchmarks.timing import median_seconds
 from model.config import ModelConfig
 from model.transformer import random_model
 from serving.engine.runner import ModelRunner, RowInput
-from serving.speculative import expected_tokens_per_pass
+from serving.spec.rule import expected_tokens_per_pass
 
 
 def _rows(batch: int, n_tokens: int, context: int, block_size: int) -> list[RowInput]:

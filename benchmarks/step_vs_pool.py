@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/step_vs_pool.py --preset llama3_8b --dtype bfloat16 --pools 256,4096
 
 Times one single-row decode step (`ModelRunner.forward`) and one 8-step on-device decode loop with pools of
-each size, random weights, the default kernels of the device. Goal (issue 11): the 4,096-block figure within
+each size, random weights, the default kernels of the device. Goal: the 4,096-block figure within
 1.2x of the 256-block one. Writes step_vs_pool_<device>.json.
 """
 

@@ -27,7 +27,7 @@ from absl import app, flags
 
 from model.sampling import SamplingTensors
 from serving.core.request import Constraint, Request, SamplingParams
-from serving.engine.runner import sample_rows
+from serving.engine.sampler import sample_rows
 from serving.engine.structured import StructuredOutputs, sample_rows_masked
 
 FLAGS = flags.FLAGS
@@ -120,7 +120,7 @@ def make_llms(max_batch: int) -> dict:
 def _timed_decode(engine, prompt, params, b: int, n_tokens: int) -> tuple[float, int]:
     """(seconds, tokens) of the decode steps of b identical requests, from their second token to n_tokens."""
     rids = [engine.add_request(prompt, params) for _ in range(b)]
-    reqs = [engine._tracks[r].request for r in rids]
+    reqs = [engine.track(r).request for r in rids]
     while any(r.num_output_tokens < 2 for r in reqs):
         engine.step()  # prefill and the first decode step
     done0 = sum(r.num_output_tokens for r in reqs)

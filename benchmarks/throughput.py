@@ -44,7 +44,7 @@ def main():
         "--loop_while_blocked",
         choices=("on", "off"),
         default="on",
-        help="off: decode loops only while no request waits or every slot is taken (the rule before session 15: "
+        help="off: decode loops only while no request waits or every slot is taken (the earlier rule: "
         "not while waiting requests lack KV blocks), for A/B runs",
     )
     p.add_argument("--time_limit", type=float, default=400.0)

@@ -1,6 +1,6 @@
 """W8A8 prefill matmul on one GPU: our Mosaic GPU kernel (fp8, int8) vs XLA (bf16, fp8, int8 dots) vs torch peers.
 
-Run from the repo root on the device machine (benchmarks/run_w8a8_gpu.sh does, under 3 minutes on an H200):
+Run from the repo root on the device machine (`bash benchmarks/gpu.sh kernels w8a8` does, under 3 minutes on an H200):
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python3 benchmarks/w8a8_matmul.py --out $OUT/w8a8_matmul.json
 
@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -219,12 +220,11 @@ def bench_shape(name, m, k, n, backend, cfg=None):
     return row
 
 
-def time_model_path(m, k, n, detail: bool = True, quantisers: bool = False) -> dict:
+def time_model_path(m, k, n, detail: bool = True, quantisers: bool = False, base=None) -> dict:
     """model/quant.py's matmul on a W8A8 QuantizedArray from bf16 x, end to end (module docstring's model_* rows).
 
     Each path's output is compared with quant.reference_matmul first (rel error recorded; timed unless it raised).
-    Every path is a fresh function: jax.jit caches traces by function, so jitting quant.matmul itself again after
-    a module flag changed reran the first path's trace (the session-5 "fake_quant_path" rows were the kernel path).
+    Each path passes its own quant.MatmulOptions (over `base`, default quant.DEFAULT_OPTIONS) to quant.matmul.
     `detail` False: the kernel path only. `quantisers`: also the bf16 dot and, with `detail`, the activation
     quantisers alone (Pallas one-pass vs jnp) and the kernel on the Pallas quantiser's own codes against
     w8a8_matmul.reference (the kernel's error alone)."""
@@ -233,24 +233,22 @@ def time_model_path(m, k, n, detail: bool = True, quantisers: bool = False) -> d
 
     x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
     rows = {}
-    saved = quant.W8A8_MIN_ROWS, quant.ACT_QUANT_BACKEND
+    base = base or quant.DEFAULT_OPTIONS
     for fmt in ("fp8", "int8"):
         _, wq_t, _, ws = make_inputs(fmt, 8, k, n)
         kn = quant.QuantizedArray(jnp.asarray(wq_t.T), ws.reshape(n), fmt=fmt, act_fmt=fmt)
         ref = jax.jit(lambda a, b: quant.reference_matmul(a, b))(x, kn)
-        paths = [("kernel_path", quant.to_layout(kn, "nk"), None, saved[0])]
+        paths = [("kernel_path", quant.to_layout(kn, "nk"), None, base.w8a8_min_rows)]
         if detail:
-            paths += [("kn_jnp_quant_path", kn, "xla", saved[0]), ("fake_quant_path", kn, None, m + 1)]
+            paths += [("kn_jnp_quant_path", kn, "xla", base.w8a8_min_rows), ("fake_quant_path", kn, None, m + 1)]
         for path, q, quantiser, min_rows in paths:
-            quant.W8A8_MIN_ROWS, quant.ACT_QUANT_BACKEND = min_rows, quantiser
+            opts = dataclasses.replace(base, w8a8_min_rows=min_rows, act_quant_backend=quantiser)
             try:
-                fn = jax.jit(lambda a, b: quant.matmul(a, b))  # a new function: a new trace under these flags
+                fn = jax.jit(functools.partial(quant.matmul, options=opts))
                 rows[f"model_{fmt}_{path}_rel_error"] = rel_error(fn(x, q), ref)
                 rows[f"model_{fmt}_{path}_us"] = median_seconds(fn, x, q, **TIMING) * 1e6
             except Exception as e:  # noqa: BLE001 (recorded, not fatal: the other rows still run)
                 rows[f"model_{fmt}_{path}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            finally:
-                quant.W8A8_MIN_ROWS, quant.ACT_QUANT_BACKEND = saved
         if quantisers and detail:
             for name, backend in (("pallas", None), ("jnp", "xla")):
                 fn = jax.jit(
@@ -389,17 +387,19 @@ def main() -> int:
 def model_path_main(args) -> int:
     """--model_path_only: model.quant.matmul end to end (quantiser + GEMM) vs XLA bf16 at M = 4096, four shapes."""
     m, shapes = M, [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
-    if args.smoke:  # CPU: both kernels in their interpreters, W8A8_MIN_ROWS rows (the kernel path's threshold)
+    base = None
+    if args.smoke:  # CPU: both kernels in their interpreters, w8a8_min_rows rows (the kernel path's threshold)
         from model import quant  # noqa: PLC0415
 
-        quant.W8A8_BACKEND, m, shapes = "interpret", quant.W8A8_MIN_ROWS, SMOKE["shapes"]
+        base = quant.MatmulOptions(w8a8_backend="interpret")
+        m, shapes = base.w8a8_min_rows, SMOKE["shapes"]
         TIMING.update(iters=1, reps=1)
     else:  # ~25 compiles in all: a short timing keeps the four shapes inside a minute and a half
         TIMING.update(iters=5, reps=3)
     result = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(), m=m, rows=[])
     result.update(jax=jax.__version__, timing=TIMING)
     for i, (name, k, n) in enumerate(shapes):  # the paths before, the quantisers alone: on the first shape
-        row = dict(shape=name, m=m, k=k, n=n, **time_model_path(m, k, n, detail=i == 0, quantisers=True))
+        row = dict(shape=name, m=m, k=k, n=n, **time_model_path(m, k, n, detail=i == 0, quantisers=True, base=base))
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
         with open(args.out, "w") as f:

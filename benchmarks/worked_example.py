@@ -1,8 +1,8 @@
-"""The seed's worked example, measured: each serving step added on top of the previous, on one workload.
+"""A worked example, measured: each serving step added on top of the previous, on one workload.
 
     PYTHONPATH=. python benchmarks/worked_example.py --out benchmarks/results/worked_example_cpu.json
     PYTHONPATH=. python benchmarks/worked_example.py --preset llama3_8b --replay_acceptance 0.55 \\
-        --out $OUT/worked_example_h200.json                                       (benchmarks/run_worked_example_gpu.sh)
+        --out $OUT/worked_example_h200.json                                       (`bash benchmarks/gpu.sh worked`)
 
 Workload: --num_requests code completions of --max_tokens tokens each (greedy, EOS ignored), prompts cut from
 Python standard-library sources (random token ids for a random-weight preset), arriving as a Poisson process of
@@ -15,7 +15,7 @@ Python standard-library sources (random token ids for a random-weight preset), a
     5 spec always     speculative decoding on every decode step (n-gram prompt lookup; `replay` on random weights)
     6 adaptive        speculation only while fewer than --spec_batch_threshold sequences run
 
-Concurrency is KV-cache bound, as in the seed: a fixed --memory_budget_gb holds the weights and the KV pool; what
+Concurrency is KV-cache bound: a fixed --memory_budget_gb holds the weights and the KV pool; what
 the weights leave becomes pages, and max_num_seqs is how many full sequences (longest prompt + max_tokens) those
 pages hold (at most --max_num_seqs). Quantising weights and KV therefore raises it.
 
@@ -25,7 +25,7 @@ the KV-bound concurrency and the peak of running requests, speculation's per-tok
 Bernoulli trials: a pass with d drafts and m accepted tests m + [m < d] tokens), and quality: perplexity of
 held-out stdlib code (benchmarks/quant_quality.py's eval split) under the step's weights and KV numerics; steps 5
 and 6 are exact (rejection sampling), so their quality is step 4's. Random weights: quality n/a, and the
-speculative steps use ReplayProposer (serving/engine/proposers.py): the target's own greedy continuation (recorded
+speculative steps use ReplayProposer (serving/spec/proposers.py): the target's own greedy continuation (recorded
 in step 4, the same weights and KV) corrupted at --replay_acceptance, the acceptance measured on SmolLM2.
 """
 
@@ -350,7 +350,7 @@ def run(args, save=lambda result: None) -> dict:
             continue
         proposer = None
         if step.speculate and not real:
-            from serving.engine.proposers import ReplayProposer
+            from serving.spec.proposers import ReplayProposer
 
             seqs = [p + o for p, o in zip(prompts, recorded)]
             proposer = ReplayProposer(seqs, [len(p) for p in prompts], args.replay_acceptance, model.cfg.vocab_size, 0)
