@@ -21,7 +21,7 @@ lint: setup
 # (tests/conftest.py orders them; --no-loadscope-reorder keeps that order instead of sorting by test count).
 test: model lint
 	@$(PY) tools/gen_build.py --check
-	@$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not gpu" --timeout 900 tests
+	@$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not gpu" --timeout 900 --durations 25 tests
 
 # On a GPU host: add the CUDA 13 build of jax to the set-up's .venv (once), then run the GPU-marked tests, 8 workers
 # sharing the GPU; each JAX process allocates GPU memory as it goes instead of preallocating 75% of it.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv with a Python >= 3.12 and installs pallas-serve with its serve/dev extras.
+# Creates .venv with a Python >= 3.12 and installs pallas-serve with its serve/ray/dev extras.
 # Python search order: $PYTHON, then python3.13/python3.12/python3/python on PATH, then $PYENV_ROOT/versions/3.1[2-9]*.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ STAMP=.venv/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)
 if [ ! -f "$STAMP" ]; then
   echo "setup: installing pallas-serve and its dependencies into .venv"
   "$PY" -m pip install -q --upgrade pip >/dev/null
-  if ! "$PY" -m pip install -q -e '.[serve,dev]'; then
+  if ! "$PY" -m pip install -q -e '.[serve,ray,dev]'; then
     echo "error: pip could not install the dependencies (is the package index reachable?)" >&2
     exit 1
   fi
