@@ -249,11 +249,9 @@ import json, sys
 import jax
 from serving.engine.llm import LLM
 
-path, options = sys.argv[1], json.loads(sys.argv[2])
-with open(path + "/oracle.json") as f:
-    oracle = json.load(f)
+path, options, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 llm = LLM(path, **options)
-outs = llm.generate(oracle["prompts"][1:], max_tokens=6, temperature=0.0, ignore_eos=True)
+outs = llm.generate(prompts, max_tokens=6, temperature=0.0, ignore_eos=True)
 attn, (pool,) = llm.model.layers[1].attn, llm.engine.runner.kv_cache[1]
 print(json.dumps(dict(
     devices=jax.device_count(),
@@ -273,7 +271,7 @@ def test_tensor_parallel_heads_match_hf(checkpoint):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": root}
     options = json.dumps({**ENGINE, "tensor_parallel_size": 2, "attention_backend": "xla"})
     proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT, path, options], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", TP_SCRIPT, path, options, json.dumps(oracle["prompts"][1:])], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -96,6 +96,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float, deadline
     stream = request.stream().__aiter__()
     while True:
         left = end - time.monotonic()
+        overall = left <= timeout_s  # the wait below is cut short by the whole body's deadline
         try:
             if left <= 0:
                 raise TimeoutError
@@ -103,7 +104,6 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float, deadline
         except StopAsyncIteration:
             break
         except TimeoutError:
-            overall = time.monotonic() >= end
             what = f"the whole request body within {deadline_s:g} s (--body_deadline_s)"
             raise OpenAIError(
                 408,
