@@ -271,7 +271,11 @@ def test_tensor_parallel_heads_match_hf(checkpoint):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": root}
     options = json.dumps({**ENGINE, "tensor_parallel_size": 2, "attention_backend": "xla"})
     proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT, path, options, json.dumps(oracle["prompts"][1:])], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", TP_SCRIPT, path, options, json.dumps(oracle["prompts"][1:])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
