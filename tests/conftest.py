@@ -12,6 +12,7 @@ must stay last).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import sys
@@ -23,7 +24,7 @@ import pytest
 # found"). tests/test_compile_cache.py turns the cache on for the processes it starts.
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
-HEAVY_FIRST = (  # serial seconds per file, one at a time: benchmarks/results/test_durations_cpu_2026-12-02b.json
+HEAVY_FIRST = (  # serial seconds per file, one at a time (pytest --durations)
     "test_spec_engine.py",  # 233 (2026-12-02 figure, not re-measured)
     "test_engine.py",  # 227
     "test_parallel_engine.py",  # 204 (2026-12-02 figure, not re-measured)
@@ -62,3 +63,15 @@ def pytest_runtest_teardown(item, nextitem):
     if (nextitem is None or nextitem.path != item.path) and "jax" in sys.modules:
         gc.collect()
         sys.modules["jax"].clear_caches()
+
+
+# After a worker's last result has gone out, nothing it does should take long; one that hangs there (an exit handler
+# waiting on a child process that died, a library thread that never ends) would keep `pytest -n` waiting for it for
+# ever. It prints every thread's stack and exits after this many seconds instead.
+WORKER_EXIT_GRACE_S = 120
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        faulthandler.dump_traceback_later(WORKER_EXIT_GRACE_S, exit=True)
