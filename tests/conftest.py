@@ -4,8 +4,7 @@
 compiled executables) is built once, not once per worker as `--dist load` does when it splits a file's tests.
 Files are then handed out in collection order; putting the heaviest first (longest-processing-time-first) keeps
 one of them from starting last and running alone while the other worker idles. The list holds the files that
-took over a minute each, heaviest first, measured on the shared 2-core host (2026-12-02, --durations; the files
-whose tests were cut re-measured later that day on a quieter host, the others keep their first figure); every
+took a minute or more, heaviest first, measured on the 2-core host (2026-12-07); every
 other file keeps its place after them. Order inside a file is never changed (test_server.py's drain test
 must stay last).
 """
@@ -24,28 +23,29 @@ import pytest
 # found"). tests/test_compile_cache.py turns the cache on for the processes it starts.
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
-HEAVY_FIRST = (  # serial seconds per file, one at a time (pytest --durations)
-    "test_spec_engine.py",  # 233 (2026-12-02 figure, not re-measured)
-    "test_engine.py",  # 227
-    "test_parallel_engine.py",  # 204 (2026-12-02 figure, not re-measured)
-    "test_server.py",  # 142
-    "test_moe_quant.py",  # ~150 (2026-12-06, a loaded host; its expert-parallel case runs a fresh process)
-    "test_ray_serve.py",  # ~120 (2026-12-06, estimated from a run on a loaded host)
-    "test_hf_models.py",  # ~150 (same)
-    "test_deepseek_engine.py",  # ~75 of CPU in 4.5 min on a loaded host (same)
-    "test_parallel_pipeline.py",  # 128
-    "test_parallel_multihost_binaries.py",  # 106
-    "test_gemma3.py",  # 100
-    "test_structured.py",  # 92 (2026-12-02 figure, not re-measured)
-    "test_speculative.py",  # 92 (2026-12-02 figure, not re-measured)
-    "test_ragged_paged_attention.py",  # 82 (2026-12-02 figure, not re-measured)
-    "test_research.py",  # 77
-    "test_server_clients.py",  # 69
-    "test_oracle.py",  # 68 (2026-12-02 figure, not re-measured)
-    "test_gguf_moe_mla.py",  # ~60 (2026-12-06, a loaded host: two LLM greedy runs of ~25 s)
-    "test_quant_engine.py",  # 67 (2026-12-02 figure, not re-measured)
-    "test_parallel_data.py",  # 60
-    "test_ray_multihost.py",  # ~65 of CPU, 116 s on a loaded host (2026-12-06)
+HEAVY_FIRST = (  # seconds per file (setup, calls and teardown; JUnit times of a clean-clone `make test`, 2-core host)
+    "test_engine.py",  # 298
+    "test_ray_serve.py",  # 294
+    "test_spec_engine.py",  # 242
+    "test_server.py",  # 215
+    "test_spec_device_loop.py",  # 165
+    "test_parallel_pipeline.py",  # 144
+    "test_research.py",  # 118
+    "test_parallel_engine.py",  # 116
+    "test_server_clients.py",  # 108
+    "test_quant_engine.py",  # 108
+    "test_parallel_data.py",  # 90
+    "test_gemv.py",  # 89
+    "test_parallel_multihost_binaries.py",  # 89
+    "test_moe_quant.py",  # 88
+    "test_structured.py",  # 79
+    "test_medusa.py",  # 78
+    "test_stream_matmul_mgpu.py",  # 73
+    "test_quant_stream_layout.py",  # 69
+    "test_parallel_moe_a2a.py",  # 68
+    "test_oracle.py",  # 68
+    "test_bench_serving.py",  # 68
+    "test_hf_models.py",  # 60
 )
 
 
