@@ -4,9 +4,8 @@
 compiled executables) is built once, not once per worker as `--dist load` does when it splits a file's tests.
 Files are then handed out in collection order; putting the heaviest first (longest-processing-time-first) keeps
 one of them from starting last and running alone while the other worker idles. The list holds the files that
-took a minute or more, heaviest first, measured on the 2-core host (2026-12-07); every
-other file keeps its place after them. Order inside a file is never changed (test_server.py's drain test
-must stay last).
+took a minute or more, heaviest first, measured on the 2-core host (2026-12-07); every other file keeps its place
+after them. Order inside a file is never changed (test_server.py's drain test must stay last).
 """
 
 from __future__ import annotations
