@@ -86,27 +86,21 @@ def test_a_prompt_at_max_model_len_right_after_start_up_compiles_nothing(live):
     assert _metric(url, "pallas_serve_requests_waiting_for_compile") == 0
 
 
-def test_prompt_logprobs_of_a_long_prompt_do_not_stall_a_short_request(live):
-    llm, state, url = live
-    short = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
-    _post(url, short)
+def _short_beside_echo(url: str, short: dict, echo_body: dict) -> tuple[float, list[float], dict]:
+    """The short request's median idle latency, then its latencies while three echo requests run one after the other
+    (the last echo's response and the echoes' times in the dict)."""
     idle = []
     for _ in range(5):
         t0 = time.monotonic()
         assert _post(url, short).status_code == 200
         idle.append(time.monotonic() - t0)
-    prompt = [(11 * i) % 500 + 3 for i in range(MAX_MODEL_LEN - 8)]
-    # First use of the scoring path and of the table widths the long prompt needs (compiled in the background:
-    # what this test measures is the chunks' share of the engine thread, not a compile's share of the CPU).
-    warm = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5}
-    assert _post(url, warm).status_code == 200
-    proc = psutil.Process()
-    rss0 = proc.memory_info().rss
-    echo = {}
+    echo = {"times": []}
 
     def echo_thrice():  # long enough beside the short requests for several of them to run meanwhile
         for _ in range(3):
-            echo["r"] = _post(url, {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5})
+            t0 = time.monotonic()
+            echo["r"] = _post(url, echo_body)
+            echo["times"].append(time.monotonic() - t0)
             assert echo["r"].status_code == 200, echo["r"].text
 
     t = threading.Thread(target=echo_thrice)
@@ -118,11 +112,37 @@ def test_prompt_logprobs_of_a_long_prompt_do_not_stall_a_short_request(live):
         assert _post(url, short).status_code == 200
         beside.append(time.monotonic() - t0)
     t.join(timeout=300)
+    return statistics.median(idle), beside, echo
+
+
+def test_prompt_logprobs_of_a_long_prompt_do_not_stall_a_short_request(live):
+    llm, state, url = live
+    short = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    _post(url, short)
+    prompt = [(11 * i) % 500 + 3 for i in range(MAX_MODEL_LEN - 8)]
+    echo_body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5}
+    # First use of the scoring path and of the table widths the long prompt needs (compiled in the background:
+    # what this test measures is the chunks' share of the engine thread, not a compile's share of the CPU).
+    assert _post(url, echo_body).status_code == 200
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    # Shared, the short request takes ~1.3x its idle time (the scoring chunks may take half the engine thread's
+    # time: 1.5x at most, plus a chunk's overshoot). Stalled, it waits for the rest of an echo: about an echo's
+    # time (~180 ms against ~27 ms idle on a quiet 2-core host), and only 2 fit beside the three echoes. A
+    # neighbour's load (CI runs two test workers on two cores) can slow the beside runs and not the idle ones, so a
+    # measurement that misses is taken again, up to three times; a stall misses every time.
+    for _attempt in range(3):
+        idle_s, beside, echo = _short_beside_echo(url, short, echo_body)
+        beside_s, echo_s = statistics.median(beside), statistics.median(echo["times"])
+        print(
+            f"short request: idle {idle_s * 1e3:.0f} ms, beside the echo {beside_s * 1e3:.0f} ms ({len(beside)} "
+            f"runs); echo {echo_s * 1e3:.0f} ms"
+        )
+        if len(beside) >= 3 and beside_s < 2 * idle_s + 0.02:
+            break
+    assert len(beside) >= 3 and beside_s < 2 * idle_s + 0.02
     lp = echo["r"].json()["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == len(prompt) and all(len(top) == 5 for top in lp["top_logprobs"][1:])
-    idle_s, beside_s = statistics.median(idle), statistics.median(beside)
-    print(f"short request: idle {idle_s * 1e3:.0f} ms, beside the echo {beside_s * 1e3:.0f} ms ({len(beside)} runs)")
-    assert len(beside) >= 3 and beside_s < 2 * idle_s + 0.02
     assert proc.memory_info().rss - rss0 < 200 << 20
     # the same logprobs as the model's own teacher-forced logits
     logits = llm.score(prompt)
