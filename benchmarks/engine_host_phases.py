@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/engine_host_phases.py --model default --batches 1,16      # CPU host, SmolLM2
     PYTHONPATH=. python benchmarks/engine_host_phases.py --preset llama3_8b --batches 1,64,256   # GPU, random weights
+    PYTHONPATH=. python benchmarks/engine_host_phases.py --preset llama3_8b --num_layers 4 --batches 1 \
+        --modes sync1,async1 --attention_backends mosaic_gpu,triton,xla        # does the attention kernel block?
 
 For each batch and each mode (`sync1`: decode_steps 1, async scheduling off, the host between every step and the
 next; `async1`: one step per token, each launched from the previous step's tokens on the device, the host reading
@@ -22,7 +24,8 @@ divided by the engine steps:
     emit       OutputProcessor.process: detokenisation, text stops, deltas
 
 `host_ms` is the sum of every phase but wait (and, for single steps, sample); `step_ms` the window's wall time per
-step; tok/s the window's output tokens per second. Prints one JSON line per (batch, mode) and writes them to --out.
+step; tok/s the window's output tokens per second. With --attention_backends, each (batch, mode) runs once per
+attention backend (the row names it). Prints one JSON line per row and writes them to --out.
 """
 
 from __future__ import annotations
@@ -111,9 +114,9 @@ def run_window(engine: LLMEngine, timers: Timers, a, batch: int, vocab: int, see
     return dict(steps=steps, tokens=tokens, wall_s=wall)
 
 
-def measure(make_engine, a, batch: int, mode: str, vocab: int) -> dict:
+def measure(make_engine, a, batch: int, mode: str, vocab: int, backend: str | None = None) -> dict:
     k, overlap = int(mode.removeprefix("async").removeprefix("sync")), mode.startswith("async")
-    engine = make_engine(batch, k, overlap)
+    engine = make_engine(batch, k, overlap, backend)
     timers = Timers()
     instrument(engine, timers)
     fetch = runner_module.LoopHandle.fetch
@@ -152,6 +155,8 @@ def measure(make_engine, a, batch: int, mode: str, vocab: int) -> dict:
     return dict(
         bench="engine_host_phases",
         device=jax.devices()[0].device_kind,
+        num_layers=engine.runner.cfg.num_layers,
+        attention_backend=backend or "default",
         batch=batch,
         mode=mode,
         decode_steps=k,
@@ -170,6 +175,8 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="", help="'default': the default checkpoint (SmolLM2) with its tokenizer")
     p.add_argument("--preset", default="llama3_8b", help="random weights at this preset's shape (without --model)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num_layers", type=int, default=0, help="with --preset: this many layers (0: the preset's)")
+    p.add_argument("--attention_backends", default="", help="comma list of attention backends ('': the default)")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--modes", default="sync1,async1,async8")
     p.add_argument("--input_len", type=int, default=64)
@@ -186,10 +193,12 @@ def main(argv=None) -> None:
         llm = LLM(max_model_len=64, warmup=False, compilation_cache_dir="")  # only the weights and tokenizer
         model, tok = llm.model, llm.tokenizer
     else:
-        model, tok = random_model(ModelConfig.preset(a.preset), jnp.dtype(a.dtype)), NullTokenizer()
+        cfg = ModelConfig.preset(a.preset)
+        cfg = cfg.replace(num_layers=a.num_layers) if a.num_layers else cfg
+        model, tok = random_model(cfg, jnp.dtype(a.dtype)), NullTokenizer()
     max_len = -(-(a.input_len + a.output_len + 16) // a.block_size) * a.block_size
 
-    def make_engine(batch: int, k: int, overlap: bool) -> LLMEngine:
+    def make_engine(batch: int, k: int, overlap: bool, backend: str | None) -> LLMEngine:
         config = EngineConfig.from_kwargs(
             max_model_len=max_len,
             max_num_seqs=batch,
@@ -200,17 +209,19 @@ def main(argv=None) -> None:
             async_scheduling=overlap,
             enable_prefix_caching=False,
             warmup=False,
+            attention_backend=backend,
             compilation_cache_dir=a.compilation_cache_dir,  # the engines of a batch share their executables
         )
         return LLMEngine(model, tok, config)
 
     with open(a.out, "a") as f:
         for batch in [int(b) for b in a.batches.split(",")]:
-            for mode in a.modes.split(","):
-                row = measure(make_engine, a, batch, mode, model.cfg.vocab_size)
-                gc.collect()  # the mode's engine and its KV pool go before the next one's
-                print(json.dumps(row), flush=True)
-                f.write(json.dumps(row) + "\n")
+            for backend in a.attention_backends.split(",") if a.attention_backends else [None]:
+                for mode in a.modes.split(","):
+                    row = measure(make_engine, a, batch, mode, model.cfg.vocab_size, backend)
+                    gc.collect()  # the mode's engine and its KV pool go before the next one's
+                    print(json.dumps(row), flush=True)
+                    f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

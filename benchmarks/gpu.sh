@@ -10,9 +10,10 @@
 #   spec     [batch1|load|medusa|random]                    speculative decoding, SmolLM2 (model carried: see below)
 #   quant    [stream_layout|rows|w8a8_profile|fp8_profile|kernel_counts]  quantised weights: decode, per-row-count
 #                                                           matmuls, profiles, kernels per layer (fused quantisers)
-#   engine   [profile|itl|startup|idle|dispatch|phases]     step profile, TTFT, ITL under load, start-up, GPU idle;
-#                                                           does a step's dispatch return before the device runs it;
-#                                                           host time per phase of a step (batch 1 / 64 / 256)
+#   engine   [profile|itl|startup|idle|dispatch|phases|backends]  step profile, TTFT, ITL under load, start-up,
+#                                                           GPU idle; does a step's dispatch return before the device
+#                                                           runs it; host time per phase of a step (batch 1 / 64 /
+#                                                           256); the same per attention backend at 4 layers
 #   models   [qwen3|gemma2|gpt_oss|mla]                     decode batch 1 / 64 at Qwen3-8B, Gemma-2-9B, gpt-oss-20b
 #                                                           shapes (benchmarks/shapes.py); MLA kernels against XLA
 #   moe      [decode|grouped|ep]                            Mixtral-shape decode and grouped matmul; expert parallelism
@@ -162,6 +163,9 @@ engine)
   part dispatch && timeout 200 python3 benchmarks/dispatch_probe.py --out "$OUT/dispatch_probe.jsonl" 2>&1 | quiet | tail -8
   part phases && timeout 400 python3 benchmarks/engine_host_phases.py --preset llama3_8b --batches 1,64,256 \
     --modes sync1,async1,async8 --compilation_cache_dir $CC --out "$OUT/engine_host_phases.jsonl" 2>&1 | quiet | tail -12
+  part backends && timeout 300 python3 benchmarks/engine_host_phases.py --preset llama3_8b --num_layers 4 --batches 1 \
+    --modes sync1,async1 --attention_backends mosaic_gpu,triton,xla --compilation_cache_dir $CC \
+    --out "$OUT/engine_host_phases_backends.jsonl" 2>&1 | quiet | grep "^{" | cut -c1-600
   if part idle; then  # GPU idle between decode loops at batch 64, then stream delivery per decode_steps
     for what in idle itl; do
       timeout 200 python3 benchmarks/engine_core.py --what $what --out "$OUT/engine_core.jsonl" 2>&1 | quiet | tail -8

@@ -19,3 +19,13 @@ def test_rows_per_batch_and_mode(tmp_path):
     assert sync["forward"] > 0 and sync["sample"] > 0 and sync["launch"] == sync["wait"] == 0  # host-sampled steps
     assert chained["launch"] > 0 and chained["forward"] == chained["sample"] == 0  # one-step loops, chained
     assert all(r["steps"] > 0 and r["tokens"] == 2 * r["steps"] and r["host_ms"] > 0 for r in rows)
+
+
+def test_rows_per_attention_backend_at_fewer_layers(tmp_path):
+    out = tmp_path / "phases.jsonl"
+    argv = ["--preset", "tiny", "--dtype", "float32", "--num_layers", "1", "--batches", "1", "--modes", "async1"]
+    argv += ["--attention_backends", "xla,interpret", "--input_len", "8", "--output_len", "8", "--out", str(out)]
+    engine_host_phases.main(argv)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["attention_backend"], r["num_layers"]) for r in rows] == [("xla", 1), ("interpret", 1)]
+    assert all(r["steps"] > 0 and r["tokens"] == r["steps"] for r in rows)
