@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +29,7 @@ from model.deepseek import DeepseekConfig, place_mla
 from serving.engine.kv_pool import is_latent, kv_bytes_per_block
 from serving.engine.llm import LLM
 from tests.hf_tiny import served_copy
+from tests.script_run import run_script
 
 SOURCE = os.path.join(os.path.dirname(__file__), "data", "hf_tiny", "deepseek_v3")
 ENGINE = dict(
@@ -253,7 +252,7 @@ path, options, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.ar
 llm = LLM(path, **options)
 outs = llm.generate(prompts, max_tokens=6, temperature=0.0, ignore_eos=True)
 attn, (pool,) = llm.model.layers[1].attn, llm.engine.runner.kv_cache[1]
-print(json.dumps(dict(
+print("ok", json.dumps(dict(
     devices=jax.device_count(),
     tokens=[o.token_ids for o in outs],
     w_o=[str(a) for a in attn.w_o.get_value().sharding.spec],
@@ -267,18 +266,8 @@ def test_tensor_parallel_heads_match_hf(checkpoint):
     """tensor_parallel_size=2 on two forced CPU devices: w_q_b / w_kv_b / w_o split by heads, the latent pool
     replicated, and the greedy continuations still HF's."""
     path, oracle = checkpoint
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": root}
     options = json.dumps({**ENGINE, "tensor_parallel_size": 2, "attention_backend": "xla"})
-    proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT, path, options, json.dumps(oracle["prompts"][1:])],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_script(TP_SCRIPT, path, options, json.dumps(oracle["prompts"][1:]), devices=2, timeout=900)
     assert got["devices"] == 2 and got["pool_replicated"]
     assert got["w_o"][0] == "tensor" and got["w_kv_b"][1] == "tensor"
     assert got["tokens"] == [g[:6] for g in oracle["greedy"][1:]]

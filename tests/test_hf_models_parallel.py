@@ -7,11 +7,10 @@ the one model/kv.py runs for any model). One fresh process with XLA_FLAGS=--xla_
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.script_run import run_script
 
 SCRIPT = r"""
 import json, os, sys
@@ -44,15 +43,4 @@ CASES = [
 
 @pytest.mark.slow
 def test_hf_architectures_tensor_parallel():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert json.loads(proc.stdout.split("ok", 1)[1]) == [name for name, _ in CASES]
+    assert run_script(SCRIPT, json.dumps(CASES), devices=4, timeout=900) == [name for name, _ in CASES]

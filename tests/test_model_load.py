@@ -4,9 +4,6 @@ The SmolLM2 numbers themselves (GGUF -> logits within 1e-3 of HF transformers) a
 """
 
 import gc
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -20,6 +17,7 @@ from model.config import ModelConfig
 from model.kv import NoCache
 from model.quant import QuantizedArray
 from model.transformer import Transformer, _param_slots, build_model, model_params, random_model
+from tests.script_run import run_script
 
 TOKENS = jnp.asarray([[5, 17, 300, 2, 9, 44, 7]])
 POS = jnp.arange(7)[None]
@@ -207,19 +205,13 @@ SHARDED_SCRIPT = textwrap.dedent(
     tokens, pos = jnp.asarray([[5, 17, 30, 2]]), jnp.arange(4)[None]
     run = nnx.jit(lambda m: m(tokens, pos, None, NoCache(jnp.array([4])))[0])
     np.testing.assert_allclose(np.asarray(run(made)), np.asarray(run(build_model(cfg, params))), rtol=1e-5, atol=1e-5)
-    print("OK")
+    print("ok")
     """
 )
 
 
 def test_shardings_place_each_parameter():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", SHARDED_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
+    run_script(SHARDED_SCRIPT, devices=8, timeout=300, env={"JAX_PLATFORMS": "cpu"})
 
 
 def test_shardings_naming_unknown_parameters_raise():

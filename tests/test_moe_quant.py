@@ -21,8 +21,6 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +34,7 @@ from model import quantize_model as qmod
 from model.config import ModelConfig
 from model.quant import QuantizedArray
 from tests.hf_tiny import served_copy
+from tests.script_run import run_script
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf_tiny")
 # rows per expert: empty experts first, in the middle and last; 13 = not a multiple of anything; M = 30 leaves 4
@@ -291,12 +290,7 @@ print("ok")
 
 
 def test_expert_parallel_quantized_experts():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", EP_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_script(EP_SCRIPT, devices=8, timeout=900)
 
 
 def test_converted_checkpoint_keeps_quantized_experts(tmp_path):

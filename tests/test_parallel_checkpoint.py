@@ -8,11 +8,9 @@ layer lands on its stage's devices only. The stored array metadata records the t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.script_run import run_script
 
 SCRIPT = r"""
 import sys, tempfile, os
@@ -70,9 +68,4 @@ print("ok")
 
 @pytest.mark.slow
 def test_convert_sharded_and_restore_on_other_meshes():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_script(SCRIPT, devices=8)

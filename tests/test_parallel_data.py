@@ -13,14 +13,11 @@ plain numbers.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from serving.core.dispatch import ReplicaRouter, SchedulersView, least_loaded
 from serving.core.scheduler_output import SchedulerStats
+from tests.script_run import run_script
 
 SCRIPT = r"""
 import asyncio, json
@@ -88,12 +85,7 @@ print("ok")
 
 @pytest.mark.slow
 def test_data_parallel_replicas_match_one_engine():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_script(SCRIPT, devices=8, timeout=900)
 
 
 def test_least_loaded_dispatch():

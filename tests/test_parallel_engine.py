@@ -15,11 +15,10 @@ budget; 4-step decode loops; prefix caching: a second batch shares a cached prom
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.script_run import run_script
 
 SCRIPT = r"""
 import json, sys
@@ -75,18 +74,7 @@ print("ok", json.dumps({"tokens": base, "meshes": list(results)}))
 
 
 def _run(family: str, meshes: list[dict]) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, family, json.dumps(meshes)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.split("ok", 1)[1])
+    return run_script(SCRIPT, family, json.dumps(meshes), devices=8, timeout=900)
 
 
 def _tp(n: int) -> dict:

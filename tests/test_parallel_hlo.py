@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from tests.script_run import run_script
 
 HLO_SCRIPT = r"""
 import re
@@ -69,12 +67,7 @@ print("ok")
 
 
 def _run(script: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_script(script, devices=8)
 
 
 def test_two_all_reduces_per_layer_per_step():

@@ -14,9 +14,7 @@ caching, for EP 2/4/8 and TP x EP) are tests/test_parallel_engine.py's.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from tests.script_run import run_script
 
 BLOCK_SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
@@ -84,12 +82,7 @@ print("ok")
 
 
 def _run(script: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_script(script, devices=8, timeout=900)
 
 
 def test_expert_parallel_block_matches_one_device():

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from tests.script_run import run_script
 
 ENGINE = r"""
 import json, sys
@@ -186,13 +186,7 @@ print("ok", json.dumps(out))
 
 
 def _run(script: str, *args: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *args], cwd=root, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.split("ok", 1)[1])
+    return run_script(script, *args, devices=8, timeout=900)
 
 
 def _pp(pp: int, tp: int = 1) -> dict:

@@ -21,6 +21,7 @@ from serving.core.scheduler import Scheduler
 from serving.engine import kv_pool
 from serving.engine import runner as runner_mod
 from serving.engine.quantize import int4_group, kv_cache_dtype, quantize_model
+from tests.script_run import run_script
 
 CFG = ModelConfig.tiny(eos_token_ids=())
 OPTS = dict(
@@ -341,16 +342,7 @@ print("ok")
 
 
 def test_tensor_parallel_int8_kv_matches_one_device():
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_script(TP_SCRIPT, devices=4, timeout=300)
 
 
 def test_fp8_kv_hadamard_rotation_is_exact_and_cuts_the_error():

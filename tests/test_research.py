@@ -9,7 +9,6 @@ to float rounding, and an updated engine must equal a fresh one built on the new
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import jax
@@ -24,6 +23,7 @@ from model.quant_methods import rtn
 from model.transformer import model_params, random_model
 from serving.core.request import SamplingParams
 from serving.engine.llm import LLM
+from tests.script_run import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTS = dict(
@@ -268,11 +268,7 @@ print("ok")
 def test_update_weights_under_tensor_parallelism():
     """tensor_parallel_size=2 on forced CPU devices: the swap keeps every sharding (weights split by heads),
     compiles nothing, and equals a fresh engine built from parameters already sharded on a tp mesh."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
-    proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(TP_SCRIPT, devices=8, timeout=300)
 
 
 def test_rl_example_on_smollm2(tmp_path):

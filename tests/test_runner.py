@@ -7,9 +7,6 @@ scoring (no cache) to float rounding.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +17,7 @@ from model.config import ModelConfig
 from model.sampling import SamplingTensors
 from model.transformer import random_model
 from serving.engine.runner import ModelRunner, RowInput
+from tests.script_run import run_script
 
 BS = 4
 
@@ -144,12 +142,7 @@ print("ok")
 
 def test_tensor_parallel_mesh_places_shards_and_matches_one_device():
     """tp=2 on forced CPU devices: weights split by heads / MLP width, KV pages by KV head, same logits."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": root}
-    proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(TP_SCRIPT, devices=8, timeout=300)
 
 
 def test_executable_cache_loads_without_compiling(model, tmp_path):
