@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python benchmarks/engine_host_phases.py --model default --batches 1,16      # CPU host, SmolLM2
     PYTHONPATH=. python benchmarks/engine_host_phases.py --preset llama3_8b --batches 1,64,256   # GPU, random weights
-    PYTHONPATH=. python benchmarks/engine_host_phases.py --preset llama3_8b --num_layers 4 --batches 1 \
-        --modes sync1,async1 --attention_backends mosaic_gpu,triton,xla        # does the attention kernel block?
+    PYTHONPATH=. python benchmarks/engine_host_phases.py --preset llama3_8b --num_layers 4 --batches 2 \
+        --modes sync1,async1 --attention_backends mosaic_gpu,triton,xla        # does a Pallas kernel block?
 
 For each batch and each mode (`sync1`: decode_steps 1, async scheduling off, the host between every step and the
 next; `async1`: one step per token, each launched from the previous step's tokens on the device, the host reading
@@ -25,7 +25,8 @@ divided by the engine steps:
 
 `host_ms` is the sum of every phase but wait (and, for single steps, sample); `step_ms` the window's wall time per
 step; tok/s the window's output tokens per second. With --attention_backends, each (batch, mode) runs once per
-attention backend (the row names it). Prints one JSON line per row and writes them to --out.
+attention backend (the row names it); under `xla` a bf16 step of two or more rows runs no Pallas kernel (one row
+takes the bf16 GEMV kernel, model/quant.py). Prints one JSON line per row and writes them to --out.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import numpy as np
 from checkpoints.tokenizer import NullTokenizer
 from model.config import ModelConfig
 from model.transformer import random_model
-from serving.config import EngineConfig
+from serving.config import ATTENTION_BACKENDS, EngineConfig
 from serving.core.request import SamplingParams
 from serving.engine import runner as runner_module
 from serving.engine.engine import LLMEngine
@@ -186,6 +187,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="engine_host_phases.jsonl")
     p.add_argument("--compilation_cache_dir", default="", help="JAX's persistent cache: engines share compilations")
     a = p.parse_args(argv)
+    if a.num_layers and a.model:
+        p.error("--num_layers applies to --preset's random weights, not to --model")
+    unknown = set(a.attention_backends.split(",")) - set(ATTENTION_BACKENDS) if a.attention_backends else set()
+    if unknown:
+        p.error(f"--attention_backends: {sorted(unknown)} not among {ATTENTION_BACKENDS}")
     enable_compilation_cache(a.compilation_cache_dir)
     if a.model:
         from serving.engine.llm import LLM

@@ -13,7 +13,8 @@
 #   engine   [profile|itl|startup|idle|dispatch|phases|backends]  step profile, TTFT, ITL under load, start-up,
 #                                                           GPU idle; does a step's dispatch return before the device
 #                                                           runs it; host time per phase of a step (batch 1 / 64 /
-#                                                           256); the same per attention backend at 4 layers
+#                                                           256); the same per attention backend at 4 layers,
+#                                                           batch 2
 #   models   [qwen3|gemma2|gpt_oss|mla]                     decode batch 1 / 64 at Qwen3-8B, Gemma-2-9B, gpt-oss-20b
 #                                                           shapes (benchmarks/shapes.py); MLA kernels against XLA
 #   moe      [decode|grouped|ep]                            Mixtral-shape decode and grouped matmul; expert parallelism
@@ -163,7 +164,7 @@ engine)
   part dispatch && timeout 200 python3 benchmarks/dispatch_probe.py --out "$OUT/dispatch_probe.jsonl" 2>&1 | quiet | tail -8
   part phases && timeout 400 python3 benchmarks/engine_host_phases.py --preset llama3_8b --batches 1,64,256 \
     --modes sync1,async1,async8 --compilation_cache_dir $CC --out "$OUT/engine_host_phases.jsonl" 2>&1 | quiet | tail -12
-  part backends && timeout 300 python3 benchmarks/engine_host_phases.py --preset llama3_8b --num_layers 4 --batches 1 \
+  part backends && timeout 300 python3 benchmarks/engine_host_phases.py --preset llama3_8b --num_layers 4 --batches 2 \
     --modes sync1,async1 --attention_backends mosaic_gpu,triton,xla --compilation_cache_dir $CC \
     --out "$OUT/engine_host_phases_backends.jsonl" 2>&1 | quiet | grep "^{" | cut -c1-600
   if part idle; then  # GPU idle between decode loops at batch 64, then stream delivery per decode_steps

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import engine_host_phases
 
 
@@ -29,3 +31,14 @@ def test_rows_per_attention_backend_at_fewer_layers(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["attention_backend"], r["num_layers"]) for r in rows] == [("xla", 1), ("interpret", 1)]
     assert all(r["steps"] > 0 and r["tokens"] == r["steps"] for r in rows)
+
+
+def test_options_that_would_be_ignored_are_refused(tmp_path, capsys):
+    out = str(tmp_path / "phases.jsonl")
+    for argv, message in (
+        (["--model", "default", "--num_layers", "2"], "--num_layers applies to --preset"),
+        (["--preset", "tiny", "--attention_backends", "xla,cudnn"], "['cudnn'] not among"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            engine_host_phases.main(argv + ["--out", out])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
